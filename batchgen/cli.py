@@ -1,0 +1,108 @@
+"""`batchgen generate | lab decode | model prepare` (and later report, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate outputs for a Parquet prompt dataset",
+                       description="Generate one output row per input row; flags override --config.")
+    p.add_argument("--config", help="YAML run config (configs/*.yaml)")
+    p.add_argument("--input", nargs="+", help="Parquet file(s), a directory or a glob")
+    p.add_argument("--output", help="output root; the run goes to OUTPUT/<run_id>/")
+    p.add_argument("--run-id", help="name of the run; the same id resumes it")
+    p.add_argument("--model", help="'smollm2-135m' (default) or a local HF-format directory")
+    p.add_argument("--engine", choices=["native", "vllm"])
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--kv-cache-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device")
+    p.add_argument("--shard-size", type=int)
+    p.add_argument("--too-long", choices=["error", "truncate"])
+    p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+
+
+def cmd_generate(args) -> int:
+    from batchgen.runner import generate
+    from batchgen.settings import GenerateSettings, load_yaml
+
+    values = load_yaml(args.config) if args.config else {}
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "func") and v is not None}
+    values.update(flags)
+    if "input" not in values:
+        raise ValueError("no input: give --input PATH (or 'input:' in --config)")
+    settings = GenerateSettings(**values)
+    summary = generate(settings.to_run_config())
+    rate = summary.output_tokens / summary.wall_s if summary.wall_s else 0.0
+    print(f"run {summary.run_dir}: {summary.rows} rows -> {summary.ok} outputs, {summary.errors} errors, "
+          f"{summary.shards} shards{' (resumed)' if summary.resumed else ''}; "
+          f"{summary.output_tokens} tokens generated in {summary.wall_s:.1f}s ({rate:.1f} tok/s incl. start-up)")
+    return 0
+
+
+def cmd_lab(args) -> int:
+    from batchgen.lab import format_lab, run_decode_lab
+    from batchgen.model.prepare import resolve_model
+
+    results = run_decode_lab(resolve_model(args.model), args.prompt_tokens, args.new_tokens, args.device)
+    print(format_lab(results, args.prompt_tokens, args.new_tokens))
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from batchgen.model.prepare import prepare_default
+
+    print(prepare_default(force=args.force))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchgen", description="Offline batch LLM generation.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    lab = sub.add_parser("lab", help="small experiments").add_subparsers(dest="lab", required=True)
+    dec = lab.add_parser("decode", help="KV cache against recomputing the history")
+    dec.add_argument("--prompt-tokens", type=int, default=64)
+    dec.add_argument("--new-tokens", type=int, default=32)
+    dec.add_argument("--model", default="smollm2-135m")
+    dec.add_argument("--device", default="cpu")
+    model = sub.add_parser("model", help="model files").add_subparsers(dest="model_cmd", required=True)
+    prep = model.add_parser("prepare", help="convert the shipped SmolLM2 GGUF into a local HF directory, once")
+    prep.add_argument("--force", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"generate": cmd_generate, "lab": cmd_lab, "model": cmd_prepare}[args.command]
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        print("batchgen: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one clear line for the user, not a traceback
+        if os.environ.get("BATCHGEN_DEBUG"):
+            raise
+        from pydantic import ValidationError
+
+        if isinstance(e, ValidationError):
+            msg = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        else:
+            msg = str(e)
+        print(f"batchgen: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Frozen, validated configuration, one dataclass per layer.
+
+Constructors do no I/O; reading a model directory lives in `batchgen.model.loader`.
+Pydantic is kept to the edges (CLI/YAML, flow parameters); these are plain dataclasses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+DTYPES = ("float32", "bfloat16", "float16")
+TOO_LONG_POLICIES = ("error", "truncate")
+ENGINES = ("native", "vllm")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family checkpoint (from its config.json)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # qwen2 has q/k/v bias
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.model_type in SUPPORTED_ARCHITECTURES,
+                 f"unsupported architecture {self.model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        _require(self.num_heads % self.num_kv_heads == 0,
+                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})")
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None) -> "ModelConfig":
+        """Build from the dicts of an HF `config.json` (and optional `generation_config.json`)."""
+        model_type = cfg.get("model_type", "?")
+        archs = cfg.get("architectures") or []
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(f"unsupported architecture {model_type!r} ({', '.join(archs) or 'no architectures field'}); "
+                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ConfigError(f"unsupported rope_type {rope_type!r} in config.json; only default RoPE is implemented")
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        eos: list[int] = []
+        for src in (generation_cfg or {}, cfg):
+            v = src.get("eos_token_id")
+            if v is None:
+                continue
+            for e in v if isinstance(v, list) else [v]:
+                if e not in eos:
+                    eos.append(int(e))
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            eos_token_ids=tuple(eos),
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters. temperature 0 means greedy."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
+                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _require(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+                 and math.isfinite(self.temperature) and self.temperature >= 0,
+                 f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        _require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+                 f"top_p must be in (0, 1], got {self.top_p!r}")
+        _require(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
+        _require(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+                 f"seed must be an integer, got {self.seed!r}")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine packs work: batch width, KV budget, precision and device."""
+
+    max_num_seqs: int = 32
+    max_model_len: int = 2048  # positions per sequence (prompt + output)
+    kv_cache_tokens: int | None = None  # admission budget; default max_num_seqs * max_model_len
+    max_num_batched_tokens: int = 4096  # prefill tokens admitted per step
+    dtype: str = "float32"
+    device: str = "cpu"
+    enable_kv_cache: bool = True  # False recomputes the whole history every step (the lab)
+    seed: int = 0  # run-level seed; requests without their own seed derive one from it and their id
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
+        _require(self.kv_cache_tokens is None or self.kv_cache_tokens >= self.max_model_len,
+                 f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one full sequence ({self.max_model_len})")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    @property
+    def kv_budget_tokens(self) -> int:
+        return self.kv_cache_tokens or self.max_num_seqs * self.max_model_len
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One generation job: where rows come from and go, and how they are generated."""
+
+    inputs: tuple[str, ...]
+    output_dir: str
+    model: str = "smollm2-135m"
+    engine: str = "native"
+    run_id: str | None = None
+    shard_size: int = 1000
+    too_long: str = "error"  # what to do with a prompt longer than the context
+    engine_config: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    engine_options: tuple[tuple[str, Any], ...] = ()  # backend-specific knobs (vllm), as sorted pairs
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _require(len(self.inputs) > 0, "at least one input path is required")
+        _require(self.engine in ENGINES, f"engine must be one of {ENGINES}, got {self.engine!r}")
+        _require(self.shard_size >= 1, f"shard_size must be >= 1, got {self.shard_size}")
+        _require(self.too_long in TOO_LONG_POLICIES, f"too_long must be one of {TOO_LONG_POLICIES}, got {self.too_long!r}")
+
+
+def dataclass_fields(cls) -> set[str]:
+    return {f.name for f in fields(cls)}
+
+
+def override(obj, **changes):
+    """`dataclasses.replace` that ignores None values (unset CLI flags)."""
+    return replace(obj, **{k: v for k, v in changes.items() if v is not None})

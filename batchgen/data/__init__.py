@@ -1,0 +1,1 @@
+"""Parquet in, Parquet out: reading and validating prompts, the run directory, the writer."""

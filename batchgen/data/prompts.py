@@ -1,0 +1,99 @@
+"""Input processing: one dataset row -> (id, prompt token ids, SamplingParams), or a row error.
+
+Row-level problems never stop a run; they become `errors/` rows with a reason a person can read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from batchgen.config import ConfigError, SamplingParams
+
+
+@dataclass
+class PreparedRow:
+    id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    truncated_from: int | None = None  # original prompt length when the too_long policy truncated it
+
+
+@dataclass
+class RowError:
+    id: str
+    error: str
+    stage: str  # "validate" | "tokenize" | "engine"
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"messages is not valid JSON ({e.msg})") from None
+    if not isinstance(value, list) or not value:
+        raise ValueError("messages must be a non-empty list of {role, content}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}] must have string 'role' and 'content'")
+        if m["role"] not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"messages[{i}] has unknown role {m['role']!r}")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _param(row: dict[str, Any], name: str, kind: type):
+    v = row.get(name)
+    if v is None:
+        return None
+    if kind is int:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+            raise ValueError(f"{name} must be an integer, got {v!r}")
+        return int(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number, got {v!r}")
+    return float(v)
+
+
+class InputProcessor:
+    """Applies the chat template, tokenizes, merges per-row parameters and the too_long policy."""
+
+    def __init__(self, tokenizer, max_model_len: int, defaults: SamplingParams, too_long: str = "error"):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.defaults = defaults
+        self.too_long = too_long
+
+    def process(self, row: dict[str, Any]) -> PreparedRow | RowError:
+        rid = row["id"]
+        try:
+            overrides = {k: _param(row, k, t) for k, t in
+                         (("max_tokens", int), ("temperature", float), ("top_p", float), ("top_k", int), ("seed", int))}
+            sampling = replace(self.defaults, **{k: v for k, v in overrides.items() if v is not None})
+        except (ValueError, ConfigError) as e:
+            return RowError(rid, f"invalid parameter: {e}", "validate")
+        try:
+            if "messages" in row:
+                text = self.tokenizer.apply_chat_template(_messages(row["messages"]))
+            else:
+                text = row.get("prompt")
+                if text is None:
+                    raise ValueError("prompt is null")
+            if not text.strip():
+                raise ValueError("prompt is empty")
+        except ValueError as e:
+            return RowError(rid, str(e), "validate")
+        except Exception as e:  # noqa: BLE001 - a template error is the row's problem, not the run's
+            return RowError(rid, f"chat template failed: {e}", "validate")
+        ids = self.tokenizer.encode(text)
+        limit = self.max_model_len - 1  # at least one output token must fit
+        if len(ids) > limit:
+            if self.too_long == "error":
+                return RowError(rid, f"prompt has {len(ids)} tokens, more than the {limit} that fit "
+                                     f"max_model_len {self.max_model_len} (policy too_long=error)", "tokenize")
+            return PreparedRow(rid, ids[-limit:], sampling, truncated_from=len(ids))  # keep the end, like vLLM
+        return PreparedRow(rid, ids, sampling)

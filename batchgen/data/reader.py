@@ -1,0 +1,158 @@
+"""Streaming, validated reads of a Parquet prompt dataset, cut into deterministic shards.
+
+Inputs: one file, several files, a directory (hive partitions included) or a glob. Rows are read in
+record batches, so memory is bounded by the shard size, not the dataset. Whole-input problems
+(no prompt column, a wrong type, a corrupt file, duplicate ids, no rows) raise InputError with one
+line that names the file and the column before any generation starts.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+PROMPT, MESSAGES, ID = "prompt", "messages", "id"
+PARAM_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+
+
+class InputError(ValueError):
+    """The input as a whole cannot be used; nothing was generated."""
+
+
+def expand_inputs(inputs: tuple[str, ...] | list[str]) -> list[str]:
+    files: list[str] = []
+    for item in inputs:
+        if any(ch in item for ch in "*?["):
+            matched = sorted(globlib.glob(item, recursive=True))
+            if not matched:
+                raise InputError(f"{item}: no files match this glob")
+            files += [m for m in matched if os.path.isfile(m)]
+        elif os.path.isdir(item):
+            found = sorted(str(p) for p in Path(item).rglob("*.parquet") if p.is_file()
+                           and not any(part.startswith((".", "_")) for part in p.relative_to(item).parts))
+            if not found:
+                raise InputError(f"{item}: directory holds no .parquet files")
+            files += found
+        elif os.path.isfile(item):
+            files.append(item)
+        else:
+            raise InputError(f"{item}: no such file or directory")
+    return files
+
+
+@dataclass
+class Shard:
+    index: int
+    table: pa.Table  # columns: id (string) + prompt/messages + parameter columns present
+    first_row: int
+
+
+class PromptDataset:
+    """A validated prompt dataset; iterate `shards(size)` to stream it."""
+
+    def __init__(self, inputs: tuple[str, ...] | list[str]):
+        self.files = expand_inputs(inputs)
+        schemas = []
+        self.num_rows = 0
+        for f in self.files:
+            try:
+                meta = pq.read_metadata(f)
+                schemas.append(pq.read_schema(f))
+            except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
+                raise InputError(f"{f}: not a readable Parquet file ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+            self.num_rows += meta.num_rows
+        try:
+            self.dataset = ds.dataset(self.files, format="parquet", partitioning="hive",
+                                      schema=pa.unify_schemas(schemas))
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            raise InputError(f"{self.files[0]}: the files' schemas do not agree ({str(e).splitlines()[0]})") from None
+        self.schema = self.dataset.schema
+        self._validate_schema()
+        if self.num_rows == 0:
+            raise InputError(f"{self._where()}: the dataset has no rows")
+        self._check_ids()
+
+    def _where(self) -> str:
+        return self.files[0] if len(self.files) == 1 else f"{self.files[0]} (+{len(self.files) - 1} files)"
+
+    def _validate_schema(self) -> None:
+        names = self.schema.names
+        if PROMPT not in names and MESSAGES not in names:
+            raise InputError(f"{self._where()}: no 'prompt' or 'messages' column (columns: {', '.join(names)})")
+        if PROMPT in names:
+            t = self.schema.field(PROMPT).type
+            if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+                raise InputError(f"{self._where()}: column 'prompt' must be string, found {t}")
+            self.prompt_column = PROMPT
+        else:
+            t = self.schema.field(MESSAGES).type
+            ok = pa.types.is_string(t) or pa.types.is_large_string(t) or (
+                (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_struct(t.value_type))
+            if not ok:
+                raise InputError(f"{self._where()}: column 'messages' must be list<struct<role, content>> "
+                                 f"or a JSON string, found {t}")
+            self.prompt_column = MESSAGES
+        if ID in names:
+            t = self.schema.field(ID).type
+            if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)):
+                raise InputError(f"{self._where()}: column 'id' must be string or integer, found {t}")
+        self.columns = [c for c in (ID, self.prompt_column, *PARAM_COLUMNS) if c in names]
+
+    def _check_ids(self) -> None:
+        if ID not in self.schema.names:
+            return
+        ids = self.dataset.to_table(columns=[ID]).column(ID)
+        if ids.null_count:
+            raise InputError(f"{self._where()}: column 'id' has {ids.null_count} null values")
+        if pc.count_distinct(ids).as_py() != len(ids):
+            counts = pc.value_counts(ids)
+            dup = next(v["values"] for v in counts.to_pylist() if v["counts"] > 1)
+            raise InputError(f"{self._where()}: column 'id' has duplicate values (e.g. {dup!r})")
+
+    def fingerprint(self) -> str:
+        """Identifies the input: paths, sizes, row counts and schema (not a content hash)."""
+        h = hashlib.sha256()
+        for f in self.files:
+            h.update(f"{os.path.abspath(f)}|{os.path.getsize(f)}|{pq.read_metadata(f).num_rows}\n".encode())
+        h.update(str(self.schema).encode())
+        return h.hexdigest()[:16]
+
+    def shards(self, shard_size: int, batch_size: int = 8192) -> Iterator[Shard]:
+        """Deterministic shards of `shard_size` rows in file order; ids default to the row number."""
+        pending: list[pa.RecordBatch] = []
+        pending_rows = 0
+        row = 0
+        index = 0
+        scanner = self.dataset.scanner(columns=self.columns, batch_size=batch_size, use_threads=False)
+        for batch in scanner.to_batches():
+            if batch.num_rows == 0:
+                continue
+            pending.append(batch)
+            pending_rows += batch.num_rows
+            while pending_rows >= shard_size:
+                table = pa.Table.from_batches(pending)
+                yield self._shard(index, table.slice(0, shard_size), row)
+                rest = table.slice(shard_size)
+                pending, pending_rows = rest.to_batches(), rest.num_rows
+                row += shard_size
+                index += 1
+        if pending_rows:
+            yield self._shard(index, pa.Table.from_batches(pending), row)
+
+    def _shard(self, index: int, table: pa.Table, first_row: int) -> Shard:
+        if ID in table.column_names:
+            ids = table.column(ID).cast(pa.string())
+            table = table.set_column(table.column_names.index(ID), ID, ids)
+        else:
+            ids = pa.array([str(first_row + i) for i in range(table.num_rows)], pa.string())
+            table = table.add_column(0, ID, ids)
+        return Shard(index, table.combine_chunks(), first_row)

@@ -1,0 +1,106 @@
+"""The one owner of the output Parquet schema (../shared/METRICS.md): requests, errors, tokens, steps.
+
+`ShardWriter` turns engine StepResults and row errors into Arrow tables for one shard. It knows
+nothing of torch; times arrive as seconds relative to the run start.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from batchgen.data.prompts import RowError
+
+F64 = pa.float64()
+REQUESTS_SCHEMA = pa.schema([
+    ("id", pa.string()), ("prompt_tokens", pa.int32()), ("output_tokens", pa.int32()),
+    ("output_token_ids", pa.list_(pa.int32())), ("text", pa.string()), ("finish_reason", pa.string()),
+    ("enqueue_t", F64), ("schedule_t", F64), ("first_token_t", F64), ("last_token_t", F64),
+    ("queue_s", F64), ("ttft_s", F64), ("prefill_s", F64), ("tpot_s", F64), ("e2e_s", F64),
+    ("prompt_truncated_from", pa.int32()),
+])
+ERRORS_SCHEMA = pa.schema([("id", pa.string()), ("error", pa.string()), ("stage", pa.string())])
+TOKENS_SCHEMA = pa.schema([
+    ("request_id", pa.string()), ("token_index", pa.int32()), ("step_id", pa.int64()), ("t", F64),
+    ("itl_s", F64), ("context_len", pa.int32()), ("concurrency", pa.int32()), ("token_id", pa.int32()),
+])
+STEPS_SCHEMA = pa.schema([
+    ("step_id", pa.int64()), ("start_t", F64), ("end_t", F64), ("num_running", pa.int32()),
+    ("num_waiting", pa.int32()), ("num_prefill_tokens", pa.int32()), ("num_decode_tokens", pa.int32()),
+    ("sum_context_len", pa.int64()), ("bytes_read", pa.int64()),
+])
+SCHEMAS = {"requests": REQUESTS_SCHEMA, "errors": ERRORS_SCHEMA, "tokens": TOKENS_SCHEMA, "steps": STEPS_SCHEMA}
+
+
+class ShardWriter:
+    def __init__(self):
+        self.requests: dict[str, list] = {f: [] for f in REQUESTS_SCHEMA.names}
+        self.errors: dict[str, list] = {f: [] for f in ERRORS_SCHEMA.names}
+        self.tokens: dict[str, list] = {f: [] for f in TOKENS_SCHEMA.names}
+        self.steps: dict[str, list] = {f: [] for f in STEPS_SCHEMA.names}
+        self._last_t: dict[str, float] = {}
+        self.truncated: dict[str, int] = {}
+        self.num_output_tokens = 0
+
+    def add_error(self, err: RowError) -> None:
+        self.errors["id"].append(err.id)
+        self.errors["error"].append(err.error)
+        self.errors["stage"].append(err.stage)
+
+    def add_step(self, r) -> None:
+        """r: batchgen.engine.StepResult."""
+        s = self.steps
+        for name in STEPS_SCHEMA.names:
+            s[name].append(getattr(r, name))
+        tok = self.tokens
+        n = len(r.token_request_ids)
+        tok["request_id"] += r.token_request_ids
+        tok["token_index"] += r.token_indices
+        tok["context_len"] += r.token_context_lens
+        tok["step_id"] += [r.step_id] * n
+        tok["t"] += [r.end_t] * n
+        tok["concurrency"] += [r.num_running] * n
+        last = self._last_t
+        for rid in r.token_request_ids:
+            prev = last.get(rid)
+            tok["itl_s"].append(None if prev is None else r.end_t - prev)  # k >= 2 only (METRICS.md)
+            last[rid] = r.end_t
+        self.num_output_tokens += n
+        for f in r.finished:
+            self._add_request(f)
+
+    def _add_request(self, f) -> None:
+        q = self.requests
+        n_out = len(f.output_token_ids)
+        q["id"].append(f.request_id)
+        q["prompt_tokens"].append(f.prompt_tokens)
+        q["output_tokens"].append(n_out)
+        q["output_token_ids"].append(f.output_token_ids)
+        q["text"].append(f.text)
+        q["finish_reason"].append(f.finish_reason)
+        q["enqueue_t"].append(f.enqueue_t)
+        q["schedule_t"].append(f.schedule_t)
+        q["first_token_t"].append(f.first_token_t)
+        q["last_token_t"].append(f.last_token_t)
+        q["queue_s"].append(f.schedule_t - f.enqueue_t)
+        q["ttft_s"].append(f.first_token_t - f.enqueue_t)
+        q["prefill_s"].append(f.first_token_t - f.schedule_t)
+        q["tpot_s"].append((f.last_token_t - f.first_token_t) / (n_out - 1) if n_out >= 2 else None)
+        q["e2e_s"].append(f.last_token_t - f.enqueue_t)
+        q["prompt_truncated_from"].append(self.truncated.pop(f.request_id, None))
+        self._last_t.pop(f.request_id, None)
+
+    def tables(self) -> dict[str, pa.Table]:
+        token_ids = self._token_ids()
+        self.tokens["token_id"] = token_ids
+        out = {}
+        for name, cols in (("requests", self.requests), ("errors", self.errors), ("tokens", self.tokens),
+                           ("steps", self.steps)):
+            out[name] = pa.table({k: pa.array(v, SCHEMAS[name].field(k).type) for k, v in cols.items()},
+                                 schema=SCHEMAS[name])
+        return out
+
+    def _token_ids(self) -> list[int]:
+        """Each token row's id, looked up from its finished request's output ids."""
+        by_id = dict(zip(self.requests["id"], self.requests["output_token_ids"]))
+        return [by_id[rid][i] if rid in by_id else None
+                for rid, i in zip(self.tokens["request_id"], self.tokens["token_index"])]

@@ -1,0 +1,25 @@
+"""Engines behind one interface; heavy backends are imported only when asked for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from batchgen.config import EngineConfig
+from batchgen.engine.base import Engine, FinishedRequest, RequestRejected, StepResult
+
+
+def create_engine(name: str, model_dir: str | Path, config: EngineConfig, clock: Callable[[], float] | None = None,
+                  options: dict[str, Any] | None = None) -> Engine:
+    if name == "native":
+        from batchgen.engine.native import NativeEngine
+
+        return NativeEngine(model_dir, config, clock)
+    if name == "vllm":
+        from batchgen.engine.vllm import VllmEngine  # noqa: F401  (imports vllm lazily)
+
+        return VllmEngine(model_dir, config, clock, options or {})
+    raise ValueError(f"unknown engine {name!r}; choose 'native' or 'vllm'")
+
+
+__all__ = ["Engine", "EngineConfig", "FinishedRequest", "RequestRejected", "StepResult", "create_engine"]

@@ -1,0 +1,82 @@
+"""The one small interface every engine implements, and what a step hands back.
+
+    engine.add(request_id, prompt_token_ids, sampling)   # may raise RequestRejected
+    while engine.has_unfinished():
+        result = engine.step()                           # StepResult: per-step stats, token events, finished
+
+Times are seconds on the engine's clock (monotonic, relative to the run start), taken after the
+device has synchronized for the step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from batchgen.config import SamplingParams
+
+
+class RequestRejected(ValueError):
+    """The engine refused one request (too long, invalid parameters); the run goes on."""
+
+
+@dataclass
+class FinishedRequest:
+    request_id: str
+    prompt_tokens: int
+    output_token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) | "length" (max_tokens or context limit)
+    enqueue_t: float
+    schedule_t: float
+    first_token_t: float
+    last_token_t: float
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    start_t: float
+    end_t: float
+    num_running: int  # sequences in this step's batch (prefill + decode)
+    num_waiting: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    sum_context_len: int
+    bytes_read: int  # METRICS.md estimate: weights touched + KV read
+    # one entry per token produced in this step (parallel lists: cheap to build, cheap to append)
+    token_request_ids: list[str] = field(default_factory=list)
+    token_indices: list[int] = field(default_factory=list)
+    token_context_lens: list[int] = field(default_factory=list)
+    finished: list[FinishedRequest] = field(default_factory=list)
+
+
+class Engine(ABC):
+    name: str = "?"
+    tokenizer: Any  # batchgen.model.tokenizer.Tokenizer: input processing happens before add()
+    max_model_len: int
+
+    @abstractmethod
+    def add(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None: ...
+
+    @abstractmethod
+    def step(self) -> StepResult: ...
+
+    @abstractmethod
+    def has_unfinished(self) -> bool: ...
+
+    @abstractmethod
+    def conditions(self) -> dict[str, Any]:
+        """Engine-side run conditions (version, dtype, batch and KV limits, device)."""
+
+    def close(self) -> None:
+        pass
+
+
+def monotonic_clock() -> Callable[[], float]:
+    """Seconds since this call, from perf_counter_ns."""
+    import time
+
+    t0 = time.perf_counter_ns()
+    return lambda: (time.perf_counter_ns() - t0) * 1e-9

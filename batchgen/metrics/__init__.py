@@ -1,0 +1,1 @@
+"""Clocks, run conditions and the device probe."""

