@@ -165,9 +165,10 @@ class RunDir:
     def commit_shard(self, index: int, tables: dict[str, pa.Table], input_ids: pa.Array,
                      extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Check exactly-once for the shard, write to staging, publish by rename, then the manifest."""
-        done = pa.chunked_array([tables["requests"].column("id"), tables["errors"].column("id")])
+        done = pa.concat_arrays([tables[t].column("id").combine_chunks().cast(pa.string())
+                                 for t in ("requests", "errors")])
         if len(done) != len(input_ids) or pc.count_distinct(done).as_py() != len(done) or \
-                not pc.all(pc.is_in(input_ids, value_set=done.combine_chunks())).as_py():
+                not pc.all(pc.is_in(input_ids, value_set=done)).as_py():
             raise RunError(f"shard {index}: outputs do not account for every input row exactly once "
                            f"({len(input_ids)} in, {len(done)} out)")
         name = self.shard_name(index)
