@@ -1,4 +1,4 @@
-"""`batchgen generate | lab decode | model prepare` (and later report, bench)."""
+"""`batchgen generate | report | lab decode | model prepare`."""
 
 from __future__ import annotations
 
@@ -51,6 +51,20 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from pathlib import Path
+
+    from batchgen.report.build import build_report, headline_text
+
+    if args.out is None and len(args.run_dirs) != 1:
+        raise ValueError("several runs: say where the report goes with --out DIR")
+    out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "report"
+    results = build_report(args.run_dirs, out, window_s=args.window_s, memory_limit=args.memory_limit)
+    print(headline_text(results))
+    print(f"\nreport: {out / 'report.html'} (+ one Parquet and CSV file per query in {out})")
+    return 0
+
+
 def cmd_lab(args) -> int:
     from batchgen.lab import format_lab, run_decode_lab
     from batchgen.model.prepare import resolve_model
@@ -71,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchgen", description="Offline batch LLM generation.")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    rep = sub.add_parser("report", help="latency/throughput report over one or more runs (DuckDB)")
+    rep.add_argument("run_dirs", nargs="+", help="run directories (or globs, quoted)")
+    rep.add_argument("--out", help="output directory (default RUN_DIR/report for one run)")
+    rep.add_argument("--window-s", type=float, help="window of the tok/s-over-time table (default 1 s)")
+    rep.add_argument("--memory-limit", help="DuckDB memory limit, e.g. 4GB")
     lab = sub.add_parser("lab", help="small experiments").add_subparsers(dest="lab", required=True)
     dec = lab.add_parser("decode", help="KV cache against recomputing the history")
     dec.add_argument("--prompt-tokens", type=int, default=64)
@@ -85,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"generate": cmd_generate, "lab": cmd_lab, "model": cmd_prepare}[args.command]
+    handler = {"generate": cmd_generate, "report": cmd_report, "lab": cmd_lab,
+               "model": cmd_prepare}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:

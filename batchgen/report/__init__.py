@@ -1,0 +1,1 @@
+"""DuckDB reports over run directories: SQL lives in sql/, this package only runs it."""

@@ -1,0 +1,57 @@
+"""Loads sql/*.sql by name and runs them over one or many run directories with DuckDB.
+
+Each query is also registered as a view named after its file, so a later query can read an
+earlier one (run_comparison reads throughput and run_conditions).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+SQL_DIR = Path(__file__).resolve().parents[2] / "sql"
+# in dependency order
+QUERIES = ("run_conditions", "throughput", "request_latency", "itl_by_context_concurrency", "itl_by_concurrency",
+           "throughput_over_time", "step_timeline", "step_time_by_batch", "ttft_cdf", "run_comparison")
+
+
+class ReportError(RuntimeError):
+    pass
+
+
+def load_sql(name: str) -> str:
+    path = SQL_DIR / f"{name}.sql"
+    if not path.is_file():
+        raise ReportError(f"no query named {name!r} in {SQL_DIR}")
+    return path.read_text()
+
+
+def _literal(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+def connect(run_dirs: list[str | Path], window_s: float | None = None,
+            memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
+    """A connection with the run views (requests, errors, tokens, steps, runs) and every query view."""
+    dirs = [str(d).rstrip("/") for d in run_dirs]
+    for d in dirs:
+        if not any(ch in d for ch in "*?[") and not (Path(d) / "run.json").is_file():
+            raise ReportError(f"{d} is not a run directory (no run.json)")
+    con = duckdb.connect()
+    if memory_limit:
+        con.execute(f"set memory_limit = {_literal(memory_limit)}")
+    con.execute(f"set variable runs = [{', '.join(_literal(d) for d in dirs)}]")
+    if window_s is not None:
+        con.execute(f"set variable window_s = {float(window_s)!r}")
+    con.execute(load_sql("views"))
+    for name in QUERIES:
+        con.execute(f"create or replace view {name} as {load_sql(name)}")
+    return con
+
+
+def run_query(con: duckdb.DuckDBPyConnection, name: str) -> pa.Table:
+    if name not in QUERIES:
+        raise ReportError(f"unknown query {name!r}; known: {', '.join(QUERIES)}")
+    return con.sql(f"select * from {name}").to_arrow_table()

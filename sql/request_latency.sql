@@ -1,0 +1,38 @@
+-- Per-request latency (METRICS.md): queue, TTFT, prefill, TPOT, E2E at p50/p90/p95/p99, mean, max, with n.
+-- TPOT exists only for requests with at least two output tokens.
+with metrics as (
+    select * from (values ('queue_s'), ('ttft_s'), ('prefill_s'), ('tpot_s'), ('e2e_s')) as m (metric)
+),
+
+long as (  -- one row per request and metric; a null (no TPOT) still keeps its metric's group
+    select
+        r.run_id,
+        m.metric,
+        case m.metric
+            when 'queue_s' then r.queue_s
+            when 'ttft_s' then r.ttft_s
+            when 'prefill_s' then r.prefill_s
+            when 'tpot_s' then r.tpot_s
+            else r.e2e_s
+        end as seconds
+    from requests as r
+    cross join metrics as m
+),
+
+final as (
+    select
+        run_id,
+        metric,
+        count(seconds) as n,
+        avg(seconds) as mean_s,
+        quantile_cont(seconds, 0.5) as p50_s,
+        quantile_cont(seconds, 0.9) as p90_s,
+        quantile_cont(seconds, 0.95) as p95_s,
+        quantile_cont(seconds, 0.99) as p99_s,
+        max(seconds) as max_s
+    from long
+    group by run_id, metric
+)
+
+select * from final
+order by run_id, list_position(['queue_s', 'ttft_s', 'prefill_s', 'tpot_s', 'e2e_s'], metric)

@@ -1,0 +1,171 @@
+"""The DuckDB reports against an independent numpy computation of the same METRICS.md definitions."""
+
+import json
+import math
+from collections import defaultdict
+
+import numpy as np
+import pyarrow.dataset as ds
+import pytest
+
+from batchgen.cli import main
+from batchgen.report.build import build_report
+from batchgen.report.queries import QUERIES, ReportError, connect, run_query
+
+from conftest import write_prompts
+
+
+def make_run(root, model, run_id, max_num_seqs, max_tokens="6", n=9):
+    prompts = [("word " * (3 + 5 * i)).strip() for i in range(n)]
+    inp = write_prompts(root / f"{run_id}.parquet", prompts, ids=[f"q{i}" for i in range(n)],
+                        max_tokens=[1 if i == 4 else None for i in range(n)])
+    assert main(["generate", "--input", str(inp), "--output", str(root), "--run-id", run_id, "--model", str(model),
+                 "--max-tokens", max_tokens, "--max-model-len", "128", "--max-num-seqs", str(max_num_seqs),
+                 "--shard-size", "5", "--no-progress", "--ignore-eos"]) == 0
+    return root / run_id
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("runs")
+    return make_run(root, tiny_model_dir, "a", 3), make_run(root, tiny_model_dir, "b", 2)
+
+
+def table(run, name):
+    return ds.dataset(run / name, format="parquet", partitioning="hive").to_table().to_pylist()
+
+
+def pct(values, q):
+    return float(np.percentile(np.asarray(values, dtype=float), q * 100, method="linear"))
+
+
+def by(rows, *keys):
+    return {tuple(r[k] for k in keys): r for r in rows}
+
+
+def test_request_latency_matches_numpy(runs):
+    run = runs[0]
+    got = by(run_query(connect([run]), "request_latency").to_pylist(), "metric")
+    req = table(run, "requests")
+    for metric in ("queue_s", "ttft_s", "prefill_s", "tpot_s", "e2e_s"):
+        vals = [r[metric] for r in req if r[metric] is not None]
+        row = got[(metric,)]
+        assert row["n"] == len(vals)
+        for q, col in ((0.5, "p50_s"), (0.9, "p90_s"), (0.95, "p95_s"), (0.99, "p99_s")):
+            assert row[col] == pytest.approx(pct(vals, q), rel=1e-9, abs=1e-12)
+        assert row["mean_s"] == pytest.approx(np.mean(vals)) and row["max_s"] == pytest.approx(max(vals))
+    assert got[("tpot_s",)]["n"] == len(req) - 1  # the single-token request has no TPOT
+
+
+def test_itl_buckets_match_numpy(runs):
+    run = runs[0]
+    got = by(run_query(connect([run]), "itl_by_context_concurrency").to_pylist(), "context_lo", "concurrency_lo")
+    groups = defaultdict(list)
+    for t in table(run, "tokens"):
+        if t["itl_s"] is None:
+            continue
+        ctx = 0 if t["context_len"] < 128 else 2 ** int(math.floor(math.log2(t["context_len"])))
+        groups[(ctx, 2 ** int(math.floor(math.log2(t["concurrency"]))))].append(t["itl_s"])
+    assert set(got) == set(groups) and len(groups) >= 2
+    for key, vals in groups.items():
+        row = got[key]
+        assert row["n"] == len(vals)
+        assert row["p50_s"] == pytest.approx(pct(vals, 0.5)) and row["p99_s"] == pytest.approx(pct(vals, 0.99))
+        assert row["concurrency_hi"] == 2 * key[1] - 1
+
+
+def test_throughput_and_windows_match_numpy(runs):
+    run = runs[0]
+    con = connect([run], window_s=0.05)
+    (got,) = run_query(con, "throughput").to_pylist()
+    req, steps, toks = table(run, "requests"), table(run, "steps"), table(run, "tokens")
+    window = max(s["end_t"] for s in steps) - min(s["start_t"] for s in steps)
+    n_out = sum(r["output_tokens"] for r in req)
+    assert got["output_tokens"] == n_out == len(toks)
+    assert got["output_tok_per_s"] == pytest.approx(n_out / window)
+    assert got["total_tok_per_s"] == pytest.approx((n_out + sum(r["prompt_tokens"] for r in req)) / window)
+    assert got["requests_per_s"] == pytest.approx(len(req) / window)
+    over_time = run_query(con, "throughput_over_time").to_pylist()
+    counts = np.bincount(np.floor(np.array([t["t"] for t in toks]) / 0.05).astype(int))
+    assert {round(r["window_start_t"] / 0.05): r["output_tokens"] for r in over_time} == \
+        {i: int(c) for i, c in enumerate(counts) if c}
+
+
+def test_step_queries_and_mbu(runs):
+    run = runs[0]
+    con = connect([run])
+    peak = json.loads((run / "run.json").read_text())["conditions"]["hardware"]["peak_read_bytes_per_s"]
+    timeline = run_query(con, "step_timeline").to_pylist()
+    steps = table(run, "steps")
+    assert len(timeline) == len(steps)
+    for r in timeline:
+        assert r["mbu"] == pytest.approx(r["bytes_read"] / (r["end_t"] - r["start_t"]) / peak)
+    by_batch = by(run_query(con, "step_time_by_batch").to_pylist(), "num_running")
+    decode = defaultdict(list)
+    for s in steps:
+        if s["num_prefill_tokens"] == 0:
+            decode[s["num_running"]].append(s["end_t"] - s["start_t"])
+    assert set(by_batch) == {(k,) for k in decode}
+    for k, vals in decode.items():
+        assert by_batch[(k,)]["p50_step_s"] == pytest.approx(pct(vals, 0.5))
+        assert by_batch[(k,)]["output_tok_per_s"] == pytest.approx(k * len(vals) / sum(vals))
+
+
+def test_ttft_cdf_is_100_exact_quantiles(runs):
+    run = runs[0]
+    rows = run_query(connect([run]), "ttft_cdf").to_pylist()
+    ttft = [r["ttft_s"] for r in table(run, "requests")]
+    assert len(rows) == 100
+    for r in rows[::17]:
+        assert r["ttft_s"] == pytest.approx(pct(ttft, r["fraction"]))
+
+
+def test_two_runs_side_by_side_show_what_differs(runs):
+    con = connect(list(runs))
+    cmp = by(run_query(con, "run_comparison").to_pylist(), "run_id")
+    assert set(cmp) == {("a",), ("b",)}
+    assert "max_num_seqs=3" in cmp[("a",)]["differing_conditions"]
+    assert "max_num_seqs=2" in cmp[("b",)]["differing_conditions"]
+    assert "engine=" not in cmp[("a",)]["differing_conditions"]
+    lat = run_query(con, "request_latency").to_pylist()
+    assert {r["run_id"] for r in lat} == {"a", "b"}
+
+
+def test_single_token_requests_give_empty_groups_not_errors(tmp_path, tiny_model_dir):
+    run = make_run(tmp_path, tiny_model_dir, "ones", 3, max_tokens="1", n=4)
+    con = connect([run])
+    lat = by(run_query(con, "request_latency").to_pylist(), "metric")
+    assert lat[("tpot_s",)]["n"] == 0 and lat[("tpot_s",)]["p50_s"] is None
+    assert run_query(con, "itl_by_concurrency").num_rows == 0
+    (tp,) = run_query(con, "throughput").to_pylist()
+    assert tp["output_tokens"] == 4
+
+
+def test_report_cli_writes_tables_and_an_offline_html(runs, tmp_path, capsys):
+    out = tmp_path / "rep"
+    assert main(["report", str(runs[0]), str(runs[1]), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "output_tok_per_s" in printed and "ttft_s" in printed
+    for name in QUERIES:
+        assert (out / f"{name}.parquet").is_file() and (out / f"{name}.csv").is_file()
+    page = (out / "report.html").read_text()
+    assert page.count("<svg") == 5 and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
+    assert page.count("Run conditions —") == page.count("<section>")  # every chart and table is captioned
+
+
+def test_not_a_run_directory(tmp_path):
+    with pytest.raises(ReportError, match="not a run directory"):
+        connect([tmp_path])
+
+
+def test_queries_work_from_plain_duckdb_sql(runs):
+    """What an analyst does in the duckdb CLI: set the variable, read views.sql, run a query file."""
+    import duckdb
+
+    from batchgen.report.queries import SQL_DIR
+
+    con = duckdb.connect()
+    con.execute(f"set variable runs = ['{runs[0]}']")
+    con.execute((SQL_DIR / "views.sql").read_text())
+    rows = con.sql((SQL_DIR / "request_latency.sql").read_text()).fetchall()
+    assert len(rows) == 5
