@@ -5,11 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from batchgen.report.html import render
-from batchgen.report.queries import QUERIES, connect, run_query
+from batchgen.report.queries import LARGE, QUERIES, connect, copy_query
 
 
 def build_report(run_dirs: list[str | Path], out_dir: str | Path, window_s: float | None = None,
@@ -19,10 +18,9 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path, window_s: floa
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for name in QUERIES:
-        table = run_query(con, name)
-        pq.write_table(table, out / f"{name}.parquet")
-        pcsv.write_csv(table, out / f"{name}.csv")
-        results[name] = table
+        copy_query(con, name, out / f"{name}.parquet", out / f"{name}.csv")
+        if name not in LARGE:
+            results[name] = pq.read_table(out / f"{name}.parquet")
     (out / "report.html").write_text(render(results, [str(d) for d in run_dirs]))
     return results
 

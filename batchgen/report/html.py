@@ -73,7 +73,7 @@ def render(results: dict[str, pa.Table], run_dirs: list[str]) -> str:
                                                              "output_tok_per_s"),
                                                      "Decode throughput against batch size",
                                                      "running sequences", "output tok/s", markers=True)),
-        ("MBU over steps", line_chart(_by_run(results["step_timeline"], "start_t", "mbu"),
+        ("MBU over steps", line_chart(_by_run(results["mbu_over_steps"], "start_t", "mbu"),
                                       "Memory-bandwidth utilisation per step", "time since run start (s)", "MBU")),
     ]
     tables = [("Throughput", "throughput"), ("Request latency (s)", "request_latency"),

@@ -14,7 +14,9 @@ import pyarrow as pa
 SQL_DIR = Path(__file__).resolve().parents[2] / "sql"
 # in dependency order
 QUERIES = ("run_conditions", "throughput", "request_latency", "itl_by_context_concurrency", "itl_by_concurrency",
-           "throughput_over_time", "step_timeline", "step_time_by_batch", "ttft_cdf", "run_comparison")
+           "throughput_over_time", "step_timeline", "mbu_over_steps", "step_time_by_batch", "ttft_cdf",
+           "run_comparison")
+LARGE = {"step_timeline"}  # one row per step: written by DuckDB straight to files, never loaded whole
 
 
 class ReportError(RuntimeError):
@@ -49,6 +51,12 @@ def connect(run_dirs: list[str | Path], window_s: float | None = None,
     for name in QUERIES:
         con.execute(f"create or replace view {name} as {load_sql(name)}")
     return con
+
+
+def copy_query(con: duckdb.DuckDBPyConnection, name: str, parquet_path: Path, csv_path: Path) -> None:
+    """Stream a query's result to Parquet and CSV inside DuckDB (no Python-side materialisation)."""
+    con.execute(f"copy (select * from {name}) to {_literal(str(parquet_path))} (format parquet)")
+    con.execute(f"copy (select * from {name}) to {_literal(str(csv_path))} (format csv, header)")
 
 
 def run_query(con: duckdb.DuckDBPyConnection, name: str) -> pa.Table:

@@ -1,0 +1,1 @@
+"""Benchmarks are programs, not tests: they print measurements, ratios and run conditions."""
