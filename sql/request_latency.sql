@@ -19,19 +19,21 @@ long as (  -- one row per request and metric; a null (no TPOT) still keeps its m
     cross join metrics as m
 ),
 
-final as (
+grouped as (
     select
         run_id,
         metric,
         count(seconds) as n,
         avg(seconds) as mean_s,
-        quantile_cont(seconds, 0.5) as p50_s,
-        quantile_cont(seconds, 0.9) as p90_s,
-        quantile_cont(seconds, 0.95) as p95_s,
-        quantile_cont(seconds, 0.99) as p99_s,
+        quantile_cont(seconds, [0.5, 0.9, 0.95, 0.99]) as q,
         max(seconds) as max_s
     from long
     group by run_id, metric
+),
+
+final as (
+    select run_id, metric, n, mean_s, q[1] as p50_s, q[2] as p90_s, q[3] as p95_s, q[4] as p99_s, max_s
+    from grouped
 )
 
 select * from final

@@ -20,18 +20,23 @@ differing_per_run as (
     group by c.run_id
 ),
 
-itl as (
-    select run_id, quantile_cont(itl_s, 0.5) as itl_p50_s, quantile_cont(itl_s, 0.99) as itl_p99_s
-    from tokens
-    where itl_s is not null
-    group by run_id
+itl as (  -- pooled over all tokens
+    select run_id, q[1] as itl_p50_s, q[2] as itl_p99_s
+    from (
+        select run_id, quantile_cont(itl_s, [0.5, 0.99]) as q
+        from tokens
+        where itl_s is not null
+        group by run_id
+    )
 ),
 
 ttft as (
-    select run_id, quantile_cont(ttft_s, 0.5) as ttft_p50_s, quantile_cont(ttft_s, 0.99) as ttft_p99_s,
-           quantile_cont(tpot_s, 0.5) as tpot_p50_s
-    from requests
-    group by run_id
+    select run_id, q[1] as ttft_p50_s, q[2] as ttft_p99_s, tpot_p50_s
+    from (
+        select run_id, quantile_cont(ttft_s, [0.5, 0.99]) as q, quantile_cont(tpot_s, 0.5) as tpot_p50_s
+        from requests
+        group by run_id
+    )
 ),
 
 final as (

@@ -63,6 +63,7 @@ class PromptDataset:
         self.files = expand_inputs(inputs)
         schemas = []
         self.num_rows = 0
+        self._rows_per_file: list[tuple[str, int]] | None = None
         for f in self.files:
             try:
                 meta = pq.read_metadata(f)
@@ -126,27 +127,49 @@ class PromptDataset:
         h.update(str(self.schema).encode())
         return h.hexdigest()[:16]
 
-    def shards(self, shard_size: int, batch_size: int = 8192) -> Iterator[Shard]:
-        """Deterministic shards of `shard_size` rows in file order; ids default to the row number."""
-        pending: list[pa.RecordBatch] = []
-        pending_rows = 0
-        row = 0
-        index = 0
-        scanner = self.dataset.scanner(columns=self.columns, batch_size=batch_size, use_threads=False)
-        for batch in scanner.to_batches():
-            if batch.num_rows == 0:
-                continue
-            pending.append(batch)
-            pending_rows += batch.num_rows
-            while pending_rows >= shard_size:
-                table = pa.Table.from_batches(pending)
-                yield self._shard(index, table.slice(0, shard_size), row)
-                rest = table.slice(shard_size)
-                pending, pending_rows = rest.to_batches(), rest.num_rows
-                row += shard_size
-                index += 1
-        if pending_rows:
-            yield self._shard(index, pa.Table.from_batches(pending), row)
+    def num_shards(self, shard_size: int) -> int:
+        return -(-self.num_rows // shard_size)
+
+    def shards(self, shard_size: int) -> Iterator[Shard]:
+        """Deterministic shards of `shard_size` rows, in file order then row order."""
+        for index in range(self.num_shards(shard_size)):
+            yield self.read_shard(index, shard_size)
+
+    def read_shard(self, index: int, shard_size: int) -> Shard:
+        """Rows [index * size, (index + 1) * size), reading only the row groups that hold them,
+        so any worker can read any shard without scanning what comes before it."""
+        lo, hi = index * shard_size, min((index + 1) * shard_size, self.num_rows)
+        if not 0 <= lo < hi:
+            raise IndexError(f"shard {index} is out of range ({self.num_shards(shard_size)} shards)")
+        pieces, offset = [], 0
+        for path, n_rows in self._file_rows():
+            f_lo, f_hi = max(lo - offset, 0), min(hi - offset, n_rows)
+            if f_lo < f_hi:
+                pieces.append(self._read_range(path, f_lo, f_hi))
+            offset += n_rows
+        return self._shard(index, pa.concat_tables(pieces), lo)
+
+    def _file_rows(self) -> list[tuple[str, int]]:
+        if self._rows_per_file is None:
+            self._rows_per_file = [(f, pq.read_metadata(f).num_rows) for f in self.files]
+        return self._rows_per_file
+
+    def _read_range(self, path: str, lo: int, hi: int) -> pa.Table:
+        pf = pq.ParquetFile(path)
+        groups, start, first = [], 0, None
+        for g in range(pf.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if start < hi and start + n > lo:
+                groups.append(g)
+                first = start if first is None else first
+            start += n
+        present = [c for c in self.columns if c in pf.schema_arrow.names]
+        table = pf.read_row_groups(groups, columns=present).slice(lo - first, hi - lo)
+        columns = {}
+        for c in self.columns:  # a column missing from this file reads as nulls
+            field = self.schema.field(c)
+            columns[c] = table.column(c).cast(field.type) if c in present else pa.nulls(hi - lo, field.type)
+        return pa.table(columns)
 
     def _shard(self, index: int, table: pa.Table, first_row: int) -> Shard:
         if ID in table.column_names:

@@ -65,10 +65,57 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+class FileLock:
+    """An O_EXCL lock file holding pid + host; a lock whose process is dead (same host) is taken over."""
+
+    def __init__(self, path: Path, what: str):
+        self.path = path
+        self.what = what
+        self.held = False
+
+    def acquire(self) -> "FileLock":
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    holder = json.loads(self.path.read_text() or "{}")
+                except (OSError, json.JSONDecodeError):
+                    holder = {}
+                pid, host = holder.get("pid"), holder.get("host")
+                if pid and host == me["host"] and not _pid_alive(pid):
+                    self.path.unlink(missing_ok=True)  # stale: its process is dead
+                    continue
+                if not pid:  # half-written: its writer died between create and write
+                    with contextlib.suppress(OSError):
+                        if time.time() - self.path.stat().st_mtime > 5:
+                            self.path.unlink(missing_ok=True)
+                            continue
+                since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
+                raise RunError(f"{self.what} is locked by pid {pid} on host {host} (since {since})")
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return self
+        raise RunError(f"could not take the lock on {self.what}")
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def __enter__(self) -> "FileLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class RunDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._locked = False
+        self._lock = FileLock(self.path / ".lock", f"run directory {self.path}")
 
     @staticmethod
     def shard_name(index: int) -> str:
@@ -76,8 +123,9 @@ class RunDir:
 
     # ---- creation, identity, lock ---------------------------------------------------------------
 
-    def open(self, identity: dict[str, Any]) -> bool:
-        """Create the run, or check that an existing one has the same identity. Returns True on resume."""
+    def open(self, identity: dict[str, Any], info: dict[str, Any] | None = None) -> bool:
+        """Create the run (or check that an existing one has the same identity) and take its lock.
+        Returns True on resume."""
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             probe = self.path / f".write-test-{os.getpid()}"
@@ -95,51 +143,39 @@ class RunDir:
                 raise RunError(f"run {self.path.name} was started with a different {', '.join(changed)}; "
                                f"use a new --run-id (or the original settings) to continue")
             return True
-        doc = {"run_id": self.path.name, "run_start_wall": time.time(), "identity": identity, "attempts": []}
-        _fsync_write(run_json, json.dumps(doc, indent=2, sort_keys=True, default=str).encode())
+        doc = {"run_id": self.path.name, "run_start_wall": time.time(), "identity": identity, **(info or {})}
+        self._write_json(doc)
         return False
-
-    def record_attempt(self, conditions: dict[str, Any]) -> None:
-        """Store this process's run conditions; the first attempt's are also the run's `conditions`."""
-        doc = self.read_json()
-        doc.setdefault("conditions", conditions)
-        doc["attempts"].append({"started_wall": time.time(), "pid": os.getpid(), "conditions": conditions})
-        _fsync_write(self.path / "run.json", json.dumps(doc, indent=2, sort_keys=True, default=str).encode())
 
     def read_json(self) -> dict[str, Any]:
         return json.loads((self.path / "run.json").read_text())
 
+    def _write_json(self, doc: dict[str, Any]) -> None:
+        _fsync_write(self.path / "run.json", json.dumps(doc, indent=2, sort_keys=True, default=str).encode())
+
+    def record_attempt(self, conditions: dict[str, Any]) -> None:
+        """One file per engine-holding process (workers may run in parallel); merged into run.json at the end."""
+        d = self.path / "_attempts"
+        d.mkdir(exist_ok=True)
+        doc = {"started_wall": time.time(), "host": socket.gethostname(), "pid": os.getpid(), "conditions": conditions}
+        _fsync_write(d / f"{doc['started_wall']:.6f}-{doc['host']}-{doc['pid']}.json",
+                     json.dumps(doc, default=str).encode())
+
+    def attempts(self) -> list[dict[str, Any]]:
+        d = self.path / "_attempts"
+        docs = [json.loads(p.read_text()) for p in d.glob("*.json")] if d.is_dir() else []
+        return sorted(docs, key=lambda a: a["started_wall"])
+
     def lock(self) -> None:
-        lock = self.path / ".lock"
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-        for _ in range(2):
-            try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    holder = json.loads(lock.read_text() or "{}")
-                except (OSError, json.JSONDecodeError):
-                    holder = {}
-                pid, host = holder.get("pid"), holder.get("host")
-                if pid and host == me["host"] and not _pid_alive(pid):
-                    lock.unlink(missing_ok=True)  # stale: its process is dead
-                    continue
-                if not pid:  # a half-written lock: its writer died between create and write
-                    if time.time() - lock.stat().st_mtime > 5:
-                        lock.unlink(missing_ok=True)
-                        continue
-                raise RunError(f"run directory {self.path} is locked by pid {pid} on host {host} "
-                               f"(since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('since', 0)))})")
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self._locked = True
-            return
-        raise RunError(f"could not take the lock on {self.path}")
+        self._lock.acquire()
 
     def unlock(self) -> None:
-        if self._locked:
-            (self.path / ".lock").unlink(missing_ok=True)
-            self._locked = False
+        self._lock.release()
+
+    def shard_lock(self, index: int) -> FileLock:
+        (self.path / "_locks").mkdir(exist_ok=True)
+        return FileLock(self.path / "_locks" / f"{self.shard_name(index)}.lock",
+                        f"shard {index} of run {self.path.name}")
 
     # ---- shards ---------------------------------------------------------------------------------
 
@@ -222,5 +258,11 @@ class RunDir:
                            f"({distinct} distinct ids); not marking success")
         summary = {"rows": n, "ok": sum(m["ok"] for m in manifests), "errors": sum(m["errors"] for m in manifests),
                    "shards": num_shards}
+        doc = self.read_json()
+        attempts = self.attempts()
+        doc["attempts"] = attempts
+        if attempts:
+            doc["conditions"] = {**doc.get("conditions", {}), **attempts[0]["conditions"]}
+        self._write_json(doc)
         _fsync_write(self.path / "_SUCCESS", json.dumps(summary).encode())
         return summary

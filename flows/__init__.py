@@ -1,0 +1,1 @@
+"""Prefect flows: the thin layer that turns validated parameters into library calls."""

@@ -1,0 +1,87 @@
+"""Prefect flow: generate a Parquet prompt dataset, one task per shard, in process or on Ray."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.futures import as_completed
+from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import BaseModel, Field
+
+from batchgen.runner import finalize, open_run, run_shard_in_worker
+from batchgen.settings import GenerateSettings
+
+
+class FanOut(BaseModel):
+    """Where shard tasks run: in this process (default) or on a Ray cluster."""
+
+    ray_address: str | None = Field(None, title="Ray address",
+                                    description="'auto', 'ray://head:10001' or empty for in-process")
+    gpus_per_shard: float = Field(0.0, ge=0, title="GPUs per shard task (Ray)",
+                                  description="1 on GPU workers: Ray then pins one GPU to each shard task")
+
+
+@task(retries=2, retry_delay_seconds=10, task_run_name="shard-{index}")
+def generate_shard(settings: GenerateSettings, run_path: str, index: int) -> dict[str, Any]:
+    """Generate and commit one shard (a committed shard is skipped, a partial one redone)."""
+    return run_shard_in_worker(settings.to_run_config(), run_path, index)
+
+
+def _task_runner(fanout: FanOut):
+    if not fanout.ray_address:
+        return ThreadPoolTaskRunner(max_workers=1)  # one engine, one device: shards in sequence
+    from prefect_ray import RayTaskRunner
+
+    return RayTaskRunner(address=fanout.ray_address)
+
+
+@flow(name="batchgen-generate-shards")
+def generate_shards(settings: GenerateSettings, run_path: str, indices: list[int],
+                    gpus_per_shard: float = 0.0) -> list[dict[str, Any]]:
+    """Fan the shards out over the flow's task runner and report progress as they commit."""
+    logger = get_run_logger()
+    progress = create_progress_artifact(0.0, description=f"shards committed of run {run_path}")
+    futures = []
+    for index in indices:
+        if gpus_per_shard:
+            from prefect_ray.context import remote_options
+
+            with remote_options(num_gpus=gpus_per_shard):
+                futures.append(generate_shard.submit(settings, run_path, index))
+        else:
+            futures.append(generate_shard.submit(settings, run_path, index))
+    manifests = []
+    for future in as_completed(futures):
+        m = future.result()
+        manifests.append(m)
+        update_progress_artifact(progress, 100.0 * len(manifests) / max(len(futures), 1))
+        if m.get("skipped"):
+            logger.info("shard %s was already committed", m["shard"])
+        else:
+            logger.info("shard %s committed: %s rows, %s outputs, %s errors, %s tokens", m["shard"], m["rows"],
+                        m["ok"], m["errors"], m["output_tokens"])
+    return manifests
+
+
+@flow(name="batchgen-generate")
+def generate(settings: GenerateSettings, fanout: FanOut = FanOut()) -> dict[str, Any]:
+    """Generate outputs and per-token timings for a prompt dataset; re-running a run id resumes it."""
+    logger = get_run_logger()
+    if settings.run_id is None:  # a retried flow run must land in the same run directory
+        settings = settings.model_copy(update={"run_id": f"flow-{flow_run.get_id()[:8]}"})
+    settings = settings.model_copy(update={"progress": False})
+    opened = open_run(settings.to_run_config())
+    logger.info("run %s: %s rows in %s shards%s", opened.run.path, opened.dataset.num_rows, opened.num_shards,
+                " (resuming)" if opened.resumed else "")
+    try:
+        shards_flow = generate_shards.with_options(task_runner=_task_runner(fanout))
+        shards_flow(settings, str(opened.run.path), list(range(opened.num_shards)), fanout.gpus_per_shard)
+    except BaseException:
+        opened.run.unlock()
+        raise
+    summary = finalize(opened)
+    logger.info("run %s complete: %s", opened.run.path, summary)
+    return {"run_dir": str(opened.run.path), **summary}

@@ -1,0 +1,44 @@
+"""Prefect flow: the throughput-against-latency curve over max_num_seqs, on a sample of a dataset."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import pyarrow.parquet as pq
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+from pydantic import Field
+
+from batchgen.data.reader import PromptDataset
+from batchgen.runner import generate as run_generate
+from batchgen.report.build import build_report
+from batchgen.settings import GenerateSettings
+from flows.report import headline_rows
+
+SWEEP_KEY = "batchgen-sweep"
+
+
+@flow(name="batchgen-sweep")
+def sweep(settings: GenerateSettings, max_num_seqs: Annotated[list[int], Field(min_length=1)] = [1, 4, 16],  # noqa: B006
+          sample_rows: Annotated[int, Field(ge=1)] = 64) -> dict[str, Any]:
+    """Run one sample at several batch widths and report throughput against latency, to pick max_num_seqs."""
+    logger = get_run_logger()
+    base = settings.run_id or "sweep"
+    root = Path(settings.output) / base
+    root.mkdir(parents=True, exist_ok=True)
+    sample = root / "sample.parquet"
+    if not sample.exists():
+        shard = PromptDataset(settings.input).read_shard(0, sample_rows)  # the first rows, deterministic
+        pq.write_table(shard.table, sample)
+    run_dirs = []
+    for width in sorted(set(max_num_seqs)):
+        s = settings.model_copy(update={"input": [str(sample)], "output": str(root), "run_id": f"{base}-mns{width}",
+                                        "max_num_seqs": width, "progress": False})
+        summary = run_generate(s.to_run_config())
+        logger.info("max_num_seqs=%s: %s", width, summary)
+        run_dirs.append(summary.run_dir)
+    results = build_report(run_dirs, root / "report")
+    rows = sorted(headline_rows(results), key=lambda r: r["max_num_seqs"] or 0)
+    create_table_artifact(rows, key=SWEEP_KEY, description="throughput against latency by max_num_seqs")
+    return {"report": str(root / "report"), "curve": rows}

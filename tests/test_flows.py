@@ -1,0 +1,109 @@
+"""Prefect flows in a test harness: generate, report artifacts, pipeline, sweep, parameter schema."""
+
+import os
+
+import pyarrow.dataset as ds
+import pytest
+
+from conftest import write_prompts
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_harness(tmp_path_factory):
+    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def settings_for(tmp_path, model, **kw):
+    from batchgen.settings import GenerateSettings
+
+    inp = write_prompts(tmp_path / "in.parquet", [f"question {i}?" for i in range(7)] + [""],
+                        ids=[f"f{i}" for i in range(8)])
+    base = dict(input=[str(inp)], output=str(tmp_path / "runs"), model=str(model), max_tokens=3,
+                max_model_len=64, max_num_seqs=2, shard_size=3)
+    return GenerateSettings(**{**base, **kw})
+
+
+def ids_in(run_dir):
+    out = []
+    for t in ("requests", "errors"):
+        out += ds.dataset(f"{run_dir}/{t}", format="parquet", partitioning="hive").to_table().column("id").to_pylist()
+    return sorted(out)
+
+
+def test_generate_flow_runs_one_task_per_shard_and_resumes(tmp_path, tiny_model_dir):
+    from flows.generate import generate
+
+    s = settings_for(tmp_path, tiny_model_dir, run_id="flow1")
+    result = generate(s)
+    assert result["rows"] == 8 and result["ok"] == 7 and result["errors"] == 1 and result["shards"] == 3
+    assert ids_in(result["run_dir"]) == [f"f{i}" for i in range(8)]
+    again = generate(s)  # a re-run of the same run id does no work and loses nothing
+    assert again["rows"] == 8 and ids_in(again["run_dir"]) == ids_in(result["run_dir"])
+
+
+def test_report_flow_publishes_artifacts_under_stable_keys(tmp_path, tiny_model_dir):
+    from prefect.client.orchestration import get_client
+
+    from flows.generate import generate
+    from flows.report import HEADLINE_KEY, LATENCY_KEY, REPORT_LINK_KEY, report
+
+    run = generate(settings_for(tmp_path, tiny_model_dir, run_id="rep"))
+    out = report([run["run_dir"]])
+    assert (tmp_path / "runs" / "rep" / "report" / "report.html").is_file()
+    (row,) = out["headline"]
+    assert row["requests"] == 7 and row["output_tok_per_s"] > 0 and row["max_num_seqs"] == 2
+
+    import anyio
+    from prefect.client.schemas.filters import ArtifactCollectionFilter
+
+    async def latest(key):
+        async with get_client() as client:
+            return await client.read_latest_artifacts(artifact_filter=ArtifactCollectionFilter(key={"any_": [key]}))
+
+    for key, kind in ((HEADLINE_KEY, "table"), (LATENCY_KEY, "markdown"), (REPORT_LINK_KEY, "markdown")):
+        (art,) = anyio.run(latest, key)
+        assert art.type == kind
+    (md,) = anyio.run(latest, LATENCY_KEY)
+    assert "ttft_s" in md.data and "p99_s" in md.data
+
+
+def test_pipeline_and_sweep(tmp_path, tiny_model_dir):
+    from flows.pipeline import pipeline
+    from flows.sweep import sweep
+
+    result = pipeline(settings_for(tmp_path, tiny_model_dir, run_id="pipe"))
+    assert result["rows"] == 8 and os.path.isfile(os.path.join(result["report"], "report.html"))
+    curve = sweep(settings_for(tmp_path, tiny_model_dir, run_id="sw"), max_num_seqs=[1, 3], sample_rows=5)["curve"]
+    assert [r["max_num_seqs"] for r in curve] == [1, 3]
+    assert all(r["requests"] + r["errors"] == 5 for r in curve)
+
+
+def test_parameter_schema_shows_a_form():
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.generate import generate
+
+    schema = parameter_schema(generate).model_dump()
+    settings = schema["definitions"]["GenerateSettings"]
+    props = settings["properties"]
+    assert settings["required"] == ["input"]
+    assert props["engine"]["enum"] == ["native", "vllm"] and props["engine"]["default"] == "native"
+    assert props["max_num_seqs"]["minimum"] == 1 and props["max_num_seqs"]["default"] == 32
+    assert props["too_long"]["enum"] == ["error", "truncate"]
+    assert props["temperature"]["title"] and props["input"]["description"]
+    assert {"input", "model", "max_tokens", "shard_size", "output", "run_id", "top_p"} <= set(props)
+
+
+def test_bad_parameters_are_rejected_before_any_work(tmp_path):
+    from prefect.exceptions import ParameterTypeError
+
+    from flows.generate import generate
+
+    bad = {"input": [str(tmp_path / "x.parquet")], "output": str(tmp_path / "runs"), "max_num_seqs": 0}
+    with pytest.raises((ParameterTypeError, ValueError)):
+        generate(settings=bad)
+    assert not (tmp_path / "runs").exists()
