@@ -27,7 +27,22 @@ class FanOut(BaseModel):
 @task(retries=2, retry_delay_seconds=10, task_run_name="shard-{index}")
 def generate_shard(settings: GenerateSettings, run_path: str, index: int) -> dict[str, Any]:
     """Generate and commit one shard (a committed shard is skipped, a partial one redone)."""
-    return run_shard_in_worker(settings.to_run_config(), run_path, index)
+    manifest = run_shard_in_worker(settings.to_run_config(), run_path, index)
+    return {**manifest, "worker": _worker_name()}
+
+
+def _worker_name() -> str:
+    """The Ray node that ran the task, or this host and process."""
+    import os
+    import socket
+    import sys
+
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            return f"ray-node-{ray.get_runtime_context().get_node_id()[:12]}"
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def _task_runner(fanout: FanOut):
@@ -78,10 +93,11 @@ def generate(settings: GenerateSettings, fanout: FanOut = FanOut()) -> dict[str,
                 " (resuming)" if opened.resumed else "")
     try:
         shards_flow = generate_shards.with_options(task_runner=_task_runner(fanout))
-        shards_flow(settings, str(opened.run.path), list(range(opened.num_shards)), fanout.gpus_per_shard)
+        manifests = shards_flow(settings, str(opened.run.path), list(range(opened.num_shards)), fanout.gpus_per_shard)
     except BaseException:
         opened.run.unlock()
         raise
     summary = finalize(opened)
     logger.info("run %s complete: %s", opened.run.path, summary)
-    return {"run_dir": str(opened.run.path), **summary}
+    workers = sorted({m["worker"] for m in manifests})
+    return {"run_dir": str(opened.run.path), **summary, "workers": workers}

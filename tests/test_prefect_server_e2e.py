@@ -1,0 +1,110 @@
+"""End to end: a real `prefect server` on loopback, the deployments served by flows/serve.py, a run
+started through the API with parameters the way the UI does, then its outputs and artifacts checked."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pyarrow.dataset as ds
+import pytest
+
+from conftest import REPO, write_prompts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{what} not ready after {timeout_s}s")
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    port = free_port()
+    home = tmp_path_factory.mktemp("prefect-server-home")
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_UI_ENABLED": "false"}
+    log = open(home / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                               str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        wait_until(lambda: urllib.request.urlopen(f"{api}/health", timeout=2).status == 200, 180, "prefect server")
+        yield env
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()
+
+
+def test_ui_style_run_of_the_on_demand_deployment(tmp_path, tiny_model_dir, prefect_server):
+    env = prefect_server
+    serve_log = open(tmp_path / "serve.log", "w")
+    served = subprocess.Popen([sys.executable, "-m", "flows.serve"], env=env, cwd=REPO, stdout=serve_log,
+                              stderr=subprocess.STDOUT)
+    inp = write_prompts(tmp_path / "in.parquet", [f"what is {i} + {i}?" for i in range(5)],
+                        ids=[f"e{i}" for i in range(5)])
+    # what the UI's form posts: JSON parameters, validated against the deployment's schema
+    parameters = {"settings": {"input": [str(inp)], "output": str(tmp_path / "runs"), "run_id": "ui-run",
+                               "model": str(tiny_model_dir), "max_tokens": 3, "max_model_len": 64,
+                               "max_num_seqs": 2, "shard_size": 2, "engine": "native"}}
+    script = f"""
+import json, sys, time
+from prefect.deployments import run_deployment
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactCollectionFilter
+import anyio
+
+async def deployment_ready():
+    async with get_client() as c:
+        for _ in range(120):
+            try:
+                d = await c.read_deployment_by_name("batchgen-pipeline/on-demand")
+                nightly = await c.read_deployment_by_name("batchgen-pipeline/nightly")
+                return d, nightly
+            except Exception:
+                time.sleep(1)
+    raise SystemExit("deployments never appeared")
+
+d, nightly = anyio.run(deployment_ready)
+run = run_deployment("batchgen-pipeline/on-demand", parameters=json.loads({json.dumps(parameters)!r}),
+                     timeout=400, poll_interval=2)
+async def artifacts():
+    async with get_client() as c:
+        return await c.read_latest_artifacts(artifact_filter=ArtifactCollectionFilter(key={{"any_": ["batchgen-headline"]}}))
+arts = anyio.run(artifacts)
+print(json.dumps({{"state": run.state.type.value, "schedules": [s.schedule.cron for s in nightly.schedules],
+                  "artifact": arts[0].data if arts else None}}))
+"""
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
+                              timeout=540)
+    finally:
+        served.terminate()
+        served.wait(30)
+        serve_log.close()
+    assert proc.returncode == 0, proc.stderr[-3000:] + (tmp_path / "serve.log").read_text()[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["state"] == "COMPLETED", (tmp_path / "serve.log").read_text()[-3000:]
+    assert result["schedules"] == ["0 2 * * *"]
+    run_dir = tmp_path / "runs" / "ui-run"
+    assert (run_dir / "_SUCCESS").is_file() and (run_dir / "report" / "report.html").is_file()
+    ids = ds.dataset(run_dir / "requests", format="parquet", partitioning="hive").to_table().column("id").to_pylist()
+    assert sorted(ids) == [f"e{i}" for i in range(5)]
+    headline = result["artifact"]
+    assert headline and "ui-run" in str(headline) and "output_tok_per_s" in str(headline)

@@ -1,0 +1,55 @@
+"""Shard tasks fan out over a real local Ray cluster (two CPU worker nodes) through prefect-ray."""
+
+import os
+
+import pyarrow.dataset as ds
+import pytest
+
+from conftest import write_prompts
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # the head runs no shard
+    cluster.add_node(num_cpus=1)
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    yield cluster
+    import ray
+
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_harness(tmp_path_factory):
+    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def outputs(run_dir):
+    req = ds.dataset(f"{run_dir}/requests", format="parquet", partitioning="hive").to_table().to_pylist()
+    err = ds.dataset(f"{run_dir}/errors", format="parquet", partitioning="hive").to_table().to_pylist()
+    return {r["id"]: r["output_token_ids"] for r in req}, sorted(e["id"] for e in err)
+
+
+def test_shards_land_on_both_workers_with_the_local_result(tmp_path, tiny_model_dir, ray_cluster):
+    from batchgen.settings import GenerateSettings
+    from flows.generate import FanOut, generate
+
+    inp = write_prompts(tmp_path / "in.parquet", [f"tell me about {i}" for i in range(11)] + [""],
+                        ids=[f"r{i:02d}" for i in range(12)])
+    base = dict(input=[str(inp)], output=str(tmp_path / "runs"), model=str(tiny_model_dir), max_tokens=4,
+                max_model_len=64, max_num_seqs=2, shard_size=2)
+    on_ray = generate(GenerateSettings(**base, run_id="ray"), FanOut(ray_address=ray_cluster.address))
+    local = generate(GenerateSettings(**base, run_id="local"))
+    assert on_ray["shards"] == 6 and on_ray["rows"] == 12
+    ray_workers = [w for w in on_ray["workers"] if w.startswith("ray-node-")]
+    assert len(ray_workers) == 2, on_ray["workers"]  # both worker nodes committed shards
+    assert outputs(on_ray["run_dir"]) == outputs(local["run_dir"])  # the same exactly-once result
+    assert outputs(on_ray["run_dir"])[1] == ["r11"]
