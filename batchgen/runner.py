@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from batchgen.config import RunConfig
 from batchgen.data.prompts import InputProcessor, RowError
-from batchgen.data.reader import PromptDataset
+from batchgen.data.reader import PromptDataset, Shard
 from batchgen.data.run import RunDir, new_run_id
 from batchgen.data.writer import ShardWriter
 from batchgen.engine import Engine, RequestRejected, create_engine
@@ -105,13 +105,14 @@ def run_conditions(cfg: RunConfig, engine: Engine, probe: bool = True) -> dict[s
 
 
 def run_shard(cfg: RunConfig, run: RunDir, dataset: PromptDataset, engine: Engine, index: int,
-              progress: "_Progress | None" = None) -> dict[str, Any] | None:
-    """Generate one shard and commit it; None if it was already committed."""
+              progress: "_Progress | None" = None, shard: Shard | None = None) -> dict[str, Any] | None:
+    """Generate one shard and commit it; None if it was already committed. `shard` is given when the
+    caller streams the dataset; otherwise the shard's rows are read on their own."""
     with run.shard_lock(index):
         if run.is_committed(index):
             return None
         run.clear_partial(index)
-        shard = dataset.read_shard(index, cfg.shard_size)
+        shard = shard or dataset.read_shard(index, cfg.shard_size)
         engine.clock = RunClock(run.read_json()["run_start_wall"])
         processor = InputProcessor(engine.tokenizer, engine.max_model_len, cfg.sampling, cfg.too_long)
         writer = ShardWriter()
@@ -178,10 +179,10 @@ def generate(cfg: RunConfig, on_shard: Callable[[dict], None] | None = None, pro
         _RECORDED.discard(str(opened.run.path))
         _record_once(opened.run, cfg, engine, probe)
         progress = _Progress(cfg.progress, opened.dataset.num_rows, opened.run.path.name)
-        for index in range(opened.num_shards):
-            manifest = run_shard(cfg, opened.run, opened.dataset, engine, index, progress)
+        for shard in opened.dataset.shards(cfg.shard_size):  # one streaming pass over the input
+            manifest = run_shard(cfg, opened.run, opened.dataset, engine, shard.index, progress, shard)
             if manifest is None:
-                progress.update(min(cfg.shard_size, opened.dataset.num_rows - index * cfg.shard_size))
+                progress.update(shard.table.num_rows)
                 continue
             output_tokens += manifest["output_tokens"]
             if on_shard:

@@ -187,3 +187,24 @@ def test_inputs_as_directory_glob_and_hive_partitions(tmp_path, tiny_model_dir):
     for rid in ("dir", "glob"):
         ids = sorted(r["id"] for r in read(tmp_path / "runs" / rid, "requests").to_pylist())
         assert ids == ["a1", "a2", "b1", "b2"]
+
+
+def test_shards_are_the_same_streamed_or_read_alone(tmp_path):
+    """Workers read shards by index; the CLI streams them: both must cut the rows identically,
+    across files, row groups and a column missing from one file."""
+    from batchgen.data.reader import PromptDataset
+
+    a = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"id": [f"a{i}" for i in range(23)], "prompt": ["p"] * 23,
+                             "max_tokens": pa.array(range(23), pa.int64())}), a, row_group_size=5)
+    b = tmp_path / "b.parquet"
+    pq.write_table(pa.table({"id": [f"b{i}" for i in range(9)], "prompt": ["q"] * 9}), b, row_group_size=4)
+    ds_ = PromptDataset([str(a), str(b)])
+    streamed = list(ds_.shards(7))
+    assert [s.index for s in streamed] == list(range(5)) == list(range(ds_.num_shards(7)))
+    for s in streamed:
+        alone = ds_.read_shard(s.index, 7)
+        assert alone.table.equals(s.table) and alone.first_row == s.first_row == 7 * s.index
+    ids = [i for s in streamed for i in s.table.column("id").to_pylist()]
+    assert ids == [f"a{i}" for i in range(23)] + [f"b{i}" for i in range(9)]
+    assert streamed[3].table.column("max_tokens").to_pylist() == [21, 22, None, None, None, None, None]

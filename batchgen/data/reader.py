@@ -131,44 +131,64 @@ class PromptDataset:
         return -(-self.num_rows // shard_size)
 
     def shards(self, shard_size: int) -> Iterator[Shard]:
-        """Deterministic shards of `shard_size` rows, in file order then row order."""
-        for index in range(self.num_shards(shard_size)):
-            yield self.read_shard(index, shard_size)
+        """Deterministic shards of `shard_size` rows, in file order then row order, in one streaming pass."""
+        pending: list[pa.Table] = []
+        pending_rows, index = 0, 0
+        for piece in self._pieces(0, self.num_rows):
+            pending.append(piece)
+            pending_rows += piece.num_rows
+            while pending_rows >= shard_size:
+                table = pa.concat_tables(pending)
+                yield self._shard(index, table.slice(0, shard_size), index * shard_size)
+                rest = table.slice(shard_size)
+                pending, pending_rows = [rest], rest.num_rows
+                index += 1
+        if pending_rows:
+            yield self._shard(index, pa.concat_tables(pending), index * shard_size)
 
     def read_shard(self, index: int, shard_size: int) -> Shard:
-        """Rows [index * size, (index + 1) * size), reading only the row groups that hold them,
-        so any worker can read any shard without scanning what comes before it."""
+        """Rows [index * size, (index + 1) * size), so any worker can read any shard. Only the row
+        groups that hold them are read, in batches, so memory stays bounded by the shard."""
         lo, hi = index * shard_size, min((index + 1) * shard_size, self.num_rows)
         if not 0 <= lo < hi:
             raise IndexError(f"shard {index} is out of range ({self.num_shards(shard_size)} shards)")
-        pieces, offset = [], 0
+        return self._shard(index, pa.concat_tables(list(self._pieces(lo, hi))), lo)
+
+    def _pieces(self, lo: int, hi: int, batch_size: int = 4096) -> Iterator[pa.Table]:
+        """Tables covering the global rows [lo, hi), normalised to the unified schema."""
+        offset = 0
         for path, n_rows in self._file_rows():
             f_lo, f_hi = max(lo - offset, 0), min(hi - offset, n_rows)
-            if f_lo < f_hi:
-                pieces.append(self._read_range(path, f_lo, f_hi))
             offset += n_rows
-        return self._shard(index, pa.concat_tables(pieces), lo)
+            if f_lo >= f_hi:
+                continue
+            pf = pq.ParquetFile(path)
+            groups, start, pos = [], 0, None
+            for g in range(pf.num_row_groups):
+                n = pf.metadata.row_group(g).num_rows
+                if start < f_hi and start + n > f_lo:
+                    groups.append(g)
+                    pos = start if pos is None else pos
+                start += n
+            present = [c for c in self.columns if c in pf.schema_arrow.names]
+            for batch in pf.iter_batches(batch_size=batch_size, row_groups=groups, columns=present):
+                b_lo, b_hi = max(f_lo, pos), min(f_hi, pos + batch.num_rows)
+                if b_lo < b_hi:
+                    yield self._normalise(pa.Table.from_batches([batch.slice(b_lo - pos, b_hi - b_lo)]), present)
+                pos += batch.num_rows
+                if pos >= f_hi:
+                    break
 
     def _file_rows(self) -> list[tuple[str, int]]:
         if self._rows_per_file is None:
             self._rows_per_file = [(f, pq.read_metadata(f).num_rows) for f in self.files]
         return self._rows_per_file
 
-    def _read_range(self, path: str, lo: int, hi: int) -> pa.Table:
-        pf = pq.ParquetFile(path)
-        groups, start, first = [], 0, None
-        for g in range(pf.num_row_groups):
-            n = pf.metadata.row_group(g).num_rows
-            if start < hi and start + n > lo:
-                groups.append(g)
-                first = start if first is None else first
-            start += n
-        present = [c for c in self.columns if c in pf.schema_arrow.names]
-        table = pf.read_row_groups(groups, columns=present).slice(lo - first, hi - lo)
+    def _normalise(self, table: pa.Table, present: list[str]) -> pa.Table:
         columns = {}
         for c in self.columns:  # a column missing from this file reads as nulls
             field = self.schema.field(c)
-            columns[c] = table.column(c).cast(field.type) if c in present else pa.nulls(hi - lo, field.type)
+            columns[c] = table.column(c).cast(field.type) if c in present else pa.nulls(table.num_rows, field.type)
         return pa.table(columns)
 
     def _shard(self, index: int, table: pa.Table, first_row: int) -> Shard:
