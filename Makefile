@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   install, prepare the model, run the demo job (CPU engine, SmolLM2-135M, local Prefect-free CLI)
+#   make demo   install, prepare the model, run the demo pipeline (local Prefect, CPU engine, SmolLM2-135M, DuckDB report)
 #   make test   install, prepare the model, run the tests
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -24,7 +24,7 @@ model: setup
 	$(VENV)/bin/batchgen model prepare
 
 demo: model
-	$(VENV)/bin/batchgen generate --config configs/cpu-demo.yaml
+	$(PY) -m flows.pipeline --config configs/cpu-demo.yaml
 
 test: model
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -56,7 +56,11 @@ def cmd_generate(args) -> int:
     if "input" not in values:
         raise ValueError("no input: give --input PATH (or 'input:' in --config)")
     settings = GenerateSettings(**values)
-    summary = generate(settings.to_run_config())
+    def started(opened) -> None:
+        print(f"batchgen: run {opened.run.path}{' (resuming)' if opened.resumed else ''}; "
+              f"resume with --run-id {opened.run.path.name}", file=sys.stderr)
+
+    summary = generate(settings.to_run_config(), on_start=started)
     rate = summary.output_tokens / summary.wall_s if summary.wall_s else 0.0
     print(f"run {summary.run_dir}: {summary.rows} rows -> {summary.ok} outputs, {summary.errors} errors, "
           f"{summary.shards} shards{' (resumed)' if summary.resumed else ''}; "

@@ -169,10 +169,13 @@ def finalize(opened: OpenRun) -> dict[str, int]:
         opened.run.unlock()
 
 
-def generate(cfg: RunConfig, on_shard: Callable[[dict], None] | None = None, probe: bool = True) -> RunSummary:
+def generate(cfg: RunConfig, on_shard: Callable[[dict], None] | None = None, probe: bool = True,
+             on_start: Callable[[OpenRun], None] | None = None) -> RunSummary:
     """Run (or resume) one generation job in this process."""
     t_start = time.perf_counter()
     opened = open_run(cfg)
+    if on_start:
+        on_start(opened)
     output_tokens = 0
     try:
         engine = load_engine(cfg, opened.model_dir)

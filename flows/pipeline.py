@@ -17,3 +17,30 @@ def pipeline(settings: GenerateSettings, fanout: FanOut = FanOut()) -> dict[str,
     run = generate(settings, fanout)
     rep = report([run["run_dir"]])
     return {**run, "report": rep["out_dir"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m flows.pipeline --config configs/cpu-demo.yaml`: the pipeline on a local Prefect."""
+    import argparse
+
+    from batchgen.report.build import headline_text
+    from batchgen.report.queries import connect, run_query
+    from batchgen.settings import load_yaml
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--run-id")
+    args = ap.parse_args(argv)
+    values = load_yaml(args.config)
+    if args.run_id:
+        values["run_id"] = args.run_id
+    result = pipeline(GenerateSettings(**values))
+    con = connect([result["run_dir"]])
+    print(headline_text({q: run_query(con, q) for q in ("throughput", "request_latency", "itl_by_concurrency",
+                                                         "run_conditions")}))
+    print(f"\nrun: {result['run_dir']} ({result['rows']} rows: {result['ok']} outputs, {result['errors']} errors)")
+    print(f"report: {result['report']}/report.html")
+
+
+if __name__ == "__main__":
+    main()

@@ -19,7 +19,7 @@ final as (
         d.run_id,
         json_extract_string(d.doc, '$.conditions.engine.engine') as engine,
         json_extract_string(d.doc, '$.conditions.engine.engine_version') as engine_version,
-        json_extract_string(d.doc, '$.conditions.model') as model,
+        json_extract_string(d.doc, '$.model') as model,
         json_extract_string(d.doc, '$.identity.model_fingerprint') as model_fingerprint,
         json_extract_string(d.doc, '$.conditions.engine.dtype') as dtype,
         coalesce(json_extract_string(d.doc, '$.conditions.engine.quantization'), 'none') as quantization,

@@ -59,3 +59,15 @@ def write_prompts(path: Path, prompts: list, ids: list | None = None, **extra_co
 @pytest.fixture
 def seed_prompts() -> Path:
     return SHARED_DATA / "alpaca_seed_prompts.parquet"
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory):
+    """One temporary Prefect API for every flow test in the session (about 10 s to start)."""
+    import os
+
+    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -8,13 +8,9 @@ import pytest
 from conftest import write_prompts
 
 
-@pytest.fixture(scope="module", autouse=True)
-def prefect_harness(tmp_path_factory):
-    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+@pytest.fixture(autouse=True)
+def _harness(prefect_harness):
+    """Every test here runs against the session's Prefect test harness."""
 
 
 def settings_for(tmp_path, model, **kw):
@@ -56,6 +52,7 @@ def test_report_flow_publishes_artifacts_under_stable_keys(tmp_path, tiny_model_
     assert (tmp_path / "runs" / "rep" / "report" / "report.html").is_file()
     (row,) = out["headline"]
     assert row["requests"] == 7 and row["output_tok_per_s"] > 0 and row["max_num_seqs"] == 2
+    assert row["model"] == str(tiny_model_dir) and row["engine"] == "native"
 
     import anyio
     from prefect.client.schemas.filters import ArtifactCollectionFilter

@@ -23,13 +23,9 @@ def ray_cluster():
     cluster.shutdown()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def prefect_harness(tmp_path_factory):
-    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+@pytest.fixture(autouse=True)
+def _harness(prefect_harness):
+    """Every test here runs against the session's Prefect test harness."""
 
 
 def outputs(run_dir):
