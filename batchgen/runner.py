@@ -88,7 +88,7 @@ _ENGINES: dict[tuple, Engine] = {}
 
 def load_engine(cfg: RunConfig, model_dir: Path) -> Engine:
     """One engine per process and configuration, reused across shards (and across runs)."""
-    key = (cfg.engine, str(model_dir), cfg.engine_config, cfg.engine_options)
+    key = (cfg.engine, str(model_dir), cfg.engine_config, json.dumps(cfg.engine_options, sort_keys=True, default=str))
     if key not in _ENGINES:
         for old in _ENGINES.values():
             old.close()  # one model on the device at a time

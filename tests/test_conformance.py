@@ -123,3 +123,32 @@ def test_cli_engine_vllm_in_a_fresh_process(tmp_path, runs):
 
     conditions = json.loads((tmp_path / "runs" / "v" / "run.json").read_text())["conditions"]["engine"]
     assert conditions["engine"] == "vllm" and conditions["vllm_options"]["enable_prefix_caching"] is True
+
+
+def test_speculative_ngram_steps_emit_several_tokens_sharing_one_time(tmp_path, runs):
+    """n-gram speculation through speculative_config: a step may emit several tokens of a request;
+    they share the step's time (token ITL 0), and the per-step ITL query sees through that."""
+    from batchgen.report.queries import connect, run_query
+
+    inp = tmp_path / "in.parquet"
+    text = "Repeat exactly: the cat sat on the mat. the cat sat on the mat. the cat sat on the mat."
+    pq.write_table(__import__("pyarrow").table({"messages": [f'[{{"role": "user", "content": "{text}"}}]'] * 2}),
+                   inp)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id="spec", engine="vllm",
+                    engine_config=EngineConfig(max_num_seqs=4, max_model_len=512),
+                    sampling=SamplingParams(max_tokens=32), engine_options=(("speculative_config", spec),),
+                    progress=False)
+    generate(cfg, probe=False)
+    t = tables(tmp_path / "spec")
+    tok = t["tokens"].to_pylist()
+    per_step = {}
+    for row in tok:
+        per_step.setdefault((row["request_id"], row["step_id"]), []).append(row)
+    multi = [rows for rows in per_step.values() if len(rows) > 1]
+    assert multi, "n-gram speculation should accept several tokens in some step"
+    for rows in multi:
+        assert len({r["t"] for r in rows}) == 1
+        assert all(r["itl_s"] == 0 for r in sorted(rows, key=lambda r: r["token_index"])[1:])
+    (row,) = run_query(connect([tmp_path / "spec"]), "itl_per_step").to_pylist()
+    assert row["max_tokens_per_step"] > 1 and row["p50_s"] > 0

@@ -78,6 +78,7 @@ def render(results: dict[str, pa.Table], run_dirs: list[str]) -> str:
     ]
     tables = [("Throughput", "throughput"), ("Request latency (s)", "request_latency"),
               ("ITL by context length × concurrency (s)", "itl_by_context_concurrency"),
+              ("ITL per step (s; differs from token ITL with speculative decoding)", "itl_per_step"),
               ("Decode step time by batch size", "step_time_by_batch"), ("Runs compared", "run_comparison"),
               ("Run conditions", "run_conditions")]
     body = [f"<h1>batchgen report</h1><p class=note>{html.escape(', '.join(run_dirs))} — generated "
