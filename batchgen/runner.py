@@ -97,6 +97,17 @@ def load_engine(cfg: RunConfig, model_dir: Path) -> Engine:
     return _ENGINES[key]
 
 
+def drop_engine(engine: Engine) -> None:
+    """Forget (and close) an engine that failed, so that a retry in this process starts a fresh one."""
+    for key, cached in list(_ENGINES.items()):
+        if cached is engine:
+            del _ENGINES[key]
+    try:
+        engine.close()
+    except Exception:  # noqa: BLE001 - it is already broken; closing is best effort
+        pass
+
+
 def run_conditions(cfg: RunConfig, engine: Engine, probe: bool = True) -> dict[str, Any]:
     hw = hardware(cfg.engine_config.device)
     if probe:
@@ -148,7 +159,11 @@ def run_shard_in_worker(cfg: RunConfig, run_path: str, index: int) -> dict[str, 
     model_dir = resolve_model(cfg.model)
     engine = load_engine(cfg, model_dir)
     _record_once(run, cfg, engine)
-    manifest = run_shard(cfg, run, PromptDataset(cfg.inputs), engine, index)
+    try:
+        manifest = run_shard(cfg, run, PromptDataset(cfg.inputs), engine, index)
+    except BaseException:
+        drop_engine(engine)  # its state is unknown (a dead vLLM core, half-fed requests): start clean
+        raise
     return manifest or {"shard": index, "skipped": True}
 
 
@@ -192,6 +207,8 @@ def generate(cfg: RunConfig, on_shard: Callable[[dict], None] | None = None, pro
                 on_shard(manifest)
         progress.close()
     except BaseException:
+        if "engine" in locals():
+            drop_engine(engine)
         opened.run.unlock()
         raise
     summary = finalize(opened)

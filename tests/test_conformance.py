@@ -152,3 +152,33 @@ def test_speculative_ngram_steps_emit_several_tokens_sharing_one_time(tmp_path, 
         assert all(r["itl_s"] == 0 for r in sorted(rows, key=lambda r: r["token_index"])[1:])
     (row,) = run_query(connect([tmp_path / "spec"]), "itl_per_step").to_pylist()
     assert row["max_tokens_per_step"] > 1 and row["p50_s"] > 0
+
+
+def test_dead_vllm_engine_fails_the_run_and_a_rerun_resumes(tmp_path, runs):
+    """Kill vLLM's engine-core process: the shard fails (no manifest, no _SUCCESS), the dead engine is
+    dropped, and the same command resumes into a complete, exactly-once run with a fresh engine."""
+    import psutil
+
+    import batchgen.runner as runner
+    from batchgen.model.prepare import resolve_model
+
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pq.read_table(SHARED_DATA / "alpaca_seed_prompts.parquet").slice(0, 6), inp)
+    cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id="dies", engine="vllm", shard_size=3,
+                    engine_config=EngineConfig(max_num_seqs=4, max_model_len=512),
+                    sampling=SamplingParams(max_tokens=8), progress=False)
+    engine = load_engine(cfg, resolve_model(cfg.model))
+    cores = [p for p in psutil.Process().children(recursive=True)
+             if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
+    assert cores, "expected vLLM's engine core to run in a child process"
+    for p in cores:
+        p.kill()
+    psutil.wait_procs(cores, timeout=30)
+    with pytest.raises(Exception, match="engine core"):
+        generate(cfg, probe=False)
+    assert not (tmp_path / "dies" / "_SUCCESS").exists()
+    assert engine not in runner._ENGINES.values()
+    summary = generate(cfg, probe=False)
+    assert summary.resumed and summary.rows == 6 and summary.ok == 6
+    ids = tables(tmp_path / "dies")["requests"].column("id").to_pylist()
+    assert sorted(ids) == sorted(pq.read_table(inp).column("id").to_pylist())

@@ -104,3 +104,42 @@ def test_bad_parameters_are_rejected_before_any_work(tmp_path):
     with pytest.raises((ParameterTypeError, ValueError)):
         generate(settings=bad)
     assert not (tmp_path / "runs").exists()
+
+
+class FlakyEngineDouble:
+    """Test double: wraps a real engine and dies on its 3rd step, once per process, like a crashed core."""
+
+    failures_left = 1
+
+    def __init__(self, real):
+        self.real, self.steps = real, 0
+        self.tokenizer, self.max_model_len = real.tokenizer, real.max_model_len
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def step(self):
+        self.steps += 1
+        if self.steps == 3 and FlakyEngineDouble.failures_left:
+            FlakyEngineDouble.failures_left -= 1
+            raise RuntimeError("engine core died (test double)")
+        return self.real.step()
+
+
+def test_a_dying_engine_fails_the_shard_which_is_retried_and_resumed(tmp_path, tiny_model_dir, monkeypatch):
+    import batchgen.runner as runner
+    from flows.generate import generate
+
+    real_create = runner.create_engine
+    created = []
+
+    def create(*a, **kw):
+        engine = FlakyEngineDouble(real_create(*a, **kw))
+        created.append(engine)
+        return engine
+
+    monkeypatch.setattr(runner, "create_engine", create)
+    monkeypatch.setattr(runner, "_ENGINES", {})
+    result = generate(settings_for(tmp_path, tiny_model_dir, run_id="flaky"))
+    assert FlakyEngineDouble.failures_left == 0 and len(created) == 2  # the retry got a fresh engine
+    assert result["rows"] == 8 and ids_in(result["run_dir"]) == [f"f{i}" for i in range(8)]

@@ -23,6 +23,11 @@ PASSTHROUGH = ("tensor_parallel_size", "gpu_memory_utilization", "enable_prefix_
                "speculative_config", "enforce_eager", "kv_cache_memory_bytes", "swap_space", "block_size",
                "max_num_batched_tokens", "distributed_executor_backend", "enable_chunked_prefill")
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+IDLE_TIMEOUT_S = 600.0  # no output at all for this long, with requests in flight, means a wedged engine
+
+
+class EngineDied(RuntimeError):
+    """The vLLM engine can no longer make progress."""
 
 
 class _StepStats:
@@ -101,6 +106,8 @@ class VllmEngine(Engine):
                           max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, seed=config.seed,
                           disable_log_stats=False, **options)
         self.engine = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._stats)])
+        self._closing = False
+        self._watch_engine_core()
         self.weight_bytes = count_decode_weight_elements(model_dir) * bpe
         self.row_embed_bytes = model_config.hidden_size * bpe
         self._requests: dict[str, _Tracked] = {}
@@ -120,6 +127,8 @@ class VllmEngine(Engine):
                                     top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
                                     stop=list(sampling.stop) or None, ignore_eos=sampling.ignore_eos,
                                     output_kind=RequestOutputKind.DELTA, skip_special_tokens=True)
+        if self._core_dead():  # vLLM would block forever on a call to a dead core
+            raise EngineDied("vLLM's engine core died; the shard fails and is redone on retry or resume")
         enqueue_t = self.clock()
         try:
             self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params)
@@ -132,12 +141,46 @@ class VllmEngine(Engine):
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
 
+    def _watch_engine_core(self) -> None:
+        """If the engine-core process exits, wake a step() blocked on its output queue with an error.
+        (vLLM's own monitor can stall in its cleanup, leaving the caller blocked forever.)"""
+        import threading
+        from multiprocessing.connection import wait
+
+        core = self.engine.engine_core
+        resources = getattr(core, "resources", None)
+        procs = getattr(getattr(resources, "engine_manager", None), "processes", None)
+        queue = getattr(core, "outputs_queue", None)
+        if not procs or queue is None:
+            return  # in-process engine core: nothing to watch
+
+        def watch() -> None:
+            wait([p.sentinel for p in procs])
+            if not self._closing:
+                resources.engine_dead = True
+                queue.put_nowait(EngineDied("vLLM's engine core process exited"))
+
+        threading.Thread(target=watch, name="batchgen-vllm-watchdog", daemon=True).start()
+
+    def _core_dead(self) -> bool:
+        # the client's liveness flag (set by the monitors), or a core process seen dead right now
+        resources = getattr(self.engine.engine_core, "resources", None)
+        procs = getattr(getattr(resources, "engine_manager", None), "processes", None) or []
+        return bool(getattr(resources, "engine_dead", False)) or any(not p.is_alive() for p in procs)
+
     def step(self) -> StepResult:
         stats = self._stats
         prompt_before, gen_before = stats.num_prompt_tokens, stats.num_generation_tokens
         start_t = self.clock()
+        if self._core_dead():
+            raise EngineDied("vLLM's engine core died; the shard fails and is redone on retry or resume")
         outputs = self.engine.step()
+        idle_since = time.monotonic()
         while not outputs and self.engine.has_unfinished_requests():  # an idle poll is not a step
+            if self._core_dead():
+                raise EngineDied("vLLM's engine core died; the shard fails and is redone on retry or resume")
+            if time.monotonic() - idle_since > IDLE_TIMEOUT_S:
+                raise EngineDied(f"vLLM produced no output for {IDLE_TIMEOUT_S:.0f} s with requests in flight")
             outputs = self.engine.step()
         end_t = self.clock()
         now_mono = time.monotonic()
@@ -191,6 +234,7 @@ class VllmEngine(Engine):
         }
 
     def close(self) -> None:
+        self._closing = True
         engine = getattr(self, "engine", None)
         if engine is not None:
             shutdown = getattr(engine.engine_core, "shutdown", None)
