@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: setup model demo test clean
+.PHONY: setup model demo test test-fast clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,10 @@ demo: model
 
 test: model
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# the inner loop: no real-model end-to-end runs, no vLLM / Prefect server / Ray start-ups
+test-fast: model
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not heavy" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                "lab": cmd_lab, "model": cmd_prepare}[args.command]
     try:
         return handler(args)
-    except KeyboardInterrupt:
-        print("batchgen: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # SIGINT, or SIGTERM during a run (batchgen.runner.Interrupted)
+        print(f"batchgen: {e or 'interrupted'}; the same command resumes the run", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - one clear line for the user, not a traceback
         if os.environ.get("BATCHGEN_DEBUG"):

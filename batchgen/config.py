@@ -171,7 +171,15 @@ class RunConfig:
         _require(len(self.inputs) > 0, "at least one input path is required")
         _require(self.engine in ENGINES, f"engine must be one of {ENGINES}, got {self.engine!r}")
         _require(self.shard_size >= 1, f"shard_size must be >= 1, got {self.shard_size}")
+        _require(self.run_id is None or is_plain_name(self.run_id),
+                 f"run_id {self.run_id!r} must be a plain directory name: no '/', not '.' or '..', "
+                 f"not starting with '.' (the run must stay inside the output root)")
         _require(self.too_long in TOO_LONG_POLICIES, f"too_long must be one of {TOO_LONG_POLICIES}, got {self.too_long!r}")
+
+
+def is_plain_name(name: str) -> bool:
+    """One directory name directly under its parent: nothing that climbs out or hides."""
+    return bool(name) and not name.startswith(".") and not any(c in name for c in "/\\\0")
 
 
 def dataclass_fields(cls) -> set[str]:

@@ -5,25 +5,30 @@
 `generate` does all of it in one process (the CLI). A Prefect flow calls `open_run` and `finalize`
 itself and fans `run_shard_task` out as one task per shard, in process or on Ray workers: each
 worker keeps its engine loaded across shards, and a per-shard lock stops two workers doing one shard.
-Committed shards are skipped on resume; a partial one is cleared and redone.
+Committed shards are skipped on resume once their files match their manifest's checksums; a partial
+or damaged one is cleared and redone. A request that makes the engine fail is isolated and becomes
+an error row; SIGTERM/SIGINT end the run cleanly (lease released, attempt recorded as interrupted).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from batchgen.config import RunConfig
-from batchgen.data.prompts import InputProcessor, RowError
+from batchgen.data.prompts import InputProcessor, PreparedRow, RowError
 from batchgen.data.reader import PromptDataset, Shard
 from batchgen.data.run import RunDir, new_run_id
 from batchgen.data.writer import ShardWriter
-from batchgen.engine import Engine, RequestRejected, create_engine
+from batchgen.engine import Engine, EngineDead, RequestRejected, create_engine
 from batchgen.faults import checkpoint
 from batchgen.metrics.clock import RunClock
 from batchgen.metrics.conditions import hardware, model_fingerprint, software
@@ -117,40 +122,80 @@ def run_conditions(cfg: RunConfig, engine: Engine, probe: bool = True) -> dict[s
 
 def run_shard(cfg: RunConfig, run: RunDir, dataset: PromptDataset, engine: Engine, index: int,
               progress: "_Progress | None" = None, shard: Shard | None = None) -> dict[str, Any] | None:
-    """Generate one shard and commit it; None if it was already committed. `shard` is given when the
-    caller streams the dataset; otherwise the shard's rows are read on their own."""
-    with run.shard_lock(index):
-        if run.is_committed(index):
+    """Generate one shard and commit it; None if it was already committed (and its files check out).
+    `shard` is given when the caller streams the dataset; otherwise the shard's rows are read alone."""
+    with run.shard_lock(index) as lease:
+        committed, problem = run.check_shard(index)
+        if committed:
             return None
-        run.clear_partial(index)
+        if problem:
+            _say(f"shard {index} was committed but {problem}; redoing the shard")
+        run.clear_shard(index)
         shard = shard or dataset.read_shard(index, cfg.shard_size)
         engine.clock = RunClock(run.read_json()["run_start_wall"])
         processor = InputProcessor(engine.tokenizer, engine.max_model_len, cfg.sampling, cfg.too_long)
         writer = ShardWriter()
-        for row in shard.table.to_pylist():
-            prepared = processor.process(row)
-            if isinstance(prepared, RowError):
-                writer.add_error(prepared)
-                continue
-            try:
-                engine.add(prepared.id, prepared.prompt_token_ids, prepared.sampling)
-            except RequestRejected as e:
-                writer.add_error(RowError(prepared.id, str(e), "engine"))
-                continue
-            if prepared.truncated_from is not None:
-                writer.truncated[prepared.id] = prepared.truncated_from
+        prepared = []
+        for row in shard.rows():
+            p = processor.process(row)
+            if isinstance(p, RowError):
+                writer.add_error(p)
+            else:
+                prepared.append(p)
+                if p.truncated_from is not None:
+                    writer.truncated[p.id] = p.truncated_from
         if progress:
             progress.update(len(writer.errors["id"]))
-        while engine.has_unfinished():
-            result = engine.step()
-            writer.add_step(result)
-            if progress:
-                progress.update(len(result.finished), len(result.token_request_ids))
-            checkpoint("step")
+        _generate_isolating_failures(engine, writer, prepared, progress)
         manifest = run.commit_shard(index, writer.tables(), shard.table.column("id").combine_chunks(),
-                                    {"output_tokens": writer.num_output_tokens})
+                                    {"output_tokens": writer.num_output_tokens}, fence=lease)
         checkpoint("shard-done")
         return manifest
+
+
+def _generate_isolating_failures(engine: Engine, writer: ShardWriter, rows: list[PreparedRow],
+                                 progress: "_Progress | None") -> None:
+    """Feed `rows` to the engine and step it until they are done. If a step fails (and the engine is
+    not dead), the unfinished requests are aborted and redone in halves, so a request that breaks
+    the engine ends alone, as an error row, while the rest of the shard completes. Redone requests
+    give the same tokens: greedy is deterministic and sampling noise depends on (seed, index) only."""
+    failures: list[tuple[str, str]] = []
+    queue = [rows]
+    while queue:
+        group = queue.pop()
+        by_id = {}
+        for p in group:
+            try:
+                engine.add(p.id, p.prompt_token_ids, p.sampling)
+                by_id[p.id] = p
+            except RequestRejected as e:
+                writer.add_error(RowError(p.id, str(e), "engine"))
+        try:
+            while engine.has_unfinished():
+                result = engine.step()
+                writer.add_step(result)
+                if progress:
+                    progress.update(len(result.finished), len(result.token_request_ids))
+                checkpoint("step")
+        except EngineDead:
+            raise
+        except Exception as e:  # noqa: BLE001 - maybe one request's fault: find it by halving
+            unfinished = engine.abort_all()
+            writer.discard(unfinished)
+            left = [by_id[i] for i in unfinished if i in by_id]
+            if len(left) == 1:
+                failures.append((left[0].id, f"the engine failed on this request: {type(e).__name__}: {e}"))
+            elif left:
+                _say(f"an engine step failed ({type(e).__name__}: {e}); isolating the request among {len(left)}")
+                queue += [left[: len(left) // 2], left[len(left) // 2:]]
+    if len(failures) > 1 and len(failures) == len(rows):  # not a bad request: a broken engine
+        raise RuntimeError(f"the engine failed on every request of the shard alone; last: {failures[-1][1]}")
+    for rid, reason in failures:
+        writer.add_error(RowError(rid, reason, "engine"))
+
+
+def _say(msg: str) -> None:
+    print(f"batchgen: {msg}", file=sys.stderr, flush=True)
 
 
 def run_shard_in_worker(cfg: RunConfig, run_path: str, index: int) -> dict[str, Any]:
@@ -177,41 +222,81 @@ def _record_once(run: RunDir, cfg: RunConfig, engine: Engine, probe: bool = True
 
 
 def finalize(opened: OpenRun) -> dict[str, int]:
-    """Verify every input row is in exactly one place, merge conditions, write _SUCCESS, unlock."""
+    """Verify that the input's ids and the outputs' are the same set, each once; record the attempt
+    as completed, write _SUCCESS and release the run's lease."""
     try:
-        return opened.run.verify_and_succeed(opened.dataset.num_rows, opened.num_shards)
+        summary = opened.run.verify(opened.dataset.ids(), opened.num_shards)
+        opened.run.end_attempt("completed")
+        opened.run.mark_success(summary)
+        return summary
     finally:
         opened.run.unlock()
+
+
+def abandon(opened: OpenRun, exc: BaseException) -> None:
+    """End an attempt that did not finish: record why in run.json, release the lease."""
+    if isinstance(exc, (KeyboardInterrupt, Interrupted)):
+        status, detail = "interrupted", str(exc) or "interrupted (SIGINT)"
+    else:
+        status, detail = "failed", f"{type(exc).__name__}: {exc}"
+    try:
+        opened.run.end_attempt(status, detail)
+    finally:
+        opened.run.unlock()
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (what Prefect, Kubernetes and Ray send first) or SIGINT arrived."""
+
+
+@contextlib.contextmanager
+def interruptible():
+    """Turn SIGTERM and SIGINT into Interrupted, so a run ends cleanly; only on the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Interrupted(f"interrupted by {signal.Signals(signum).name}")
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 def generate(cfg: RunConfig, on_shard: Callable[[dict], None] | None = None, probe: bool = True,
              on_start: Callable[[OpenRun], None] | None = None) -> RunSummary:
     """Run (or resume) one generation job in this process."""
     t_start = time.perf_counter()
-    opened = open_run(cfg)
-    if on_start:
-        on_start(opened)
-    output_tokens = 0
-    try:
-        engine = load_engine(cfg, opened.model_dir)
-        _RECORDED.discard(str(opened.run.path))
-        _record_once(opened.run, cfg, engine, probe)
-        progress = _Progress(cfg.progress, opened.dataset.num_rows, opened.run.path.name)
-        for shard in opened.dataset.shards(cfg.shard_size):  # one streaming pass over the input
-            manifest = run_shard(cfg, opened.run, opened.dataset, engine, shard.index, progress, shard)
-            if manifest is None:
-                progress.update(shard.table.num_rows)
-                continue
-            output_tokens += manifest["output_tokens"]
-            if on_shard:
-                on_shard(manifest)
-        progress.close()
-    except BaseException:
-        if "engine" in locals():
-            drop_engine(engine)
-        opened.run.unlock()
-        raise
-    summary = finalize(opened)
+    with interruptible():
+        opened = open_run(cfg)
+        if on_start:
+            on_start(opened)
+        output_tokens = 0
+        engine = None
+        try:
+            engine = load_engine(cfg, opened.model_dir)
+            _RECORDED.discard(str(opened.run.path))
+            _record_once(opened.run, cfg, engine, probe)
+            progress = _Progress(cfg.progress, opened.dataset.num_rows, opened.run.path.name)
+            for shard in opened.dataset.shards(cfg.shard_size):  # one streaming pass over the input
+                manifest = run_shard(cfg, opened.run, opened.dataset, engine, shard.index, progress, shard)
+                if manifest is None:
+                    progress.update(shard.table.num_rows)
+                    continue
+                output_tokens += manifest["output_tokens"]
+                if on_shard:
+                    on_shard(manifest)
+            progress.close()
+            summary = finalize(opened)
+        except BaseException as e:
+            if engine is not None:
+                drop_engine(engine)
+            abandon(opened, e)
+            raise
     return RunSummary(str(opened.run.path), summary["rows"], summary["ok"], summary["errors"], summary["shards"],
                       opened.resumed, output_tokens, time.perf_counter() - t_start)
 

@@ -17,9 +17,11 @@ class GenerateSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     input: list[str] = Field(..., min_length=1, title="Input", description="Parquet file(s), directory or glob")
-    output: str = Field("runs", title="Output root", description="runs are written to OUTPUT/<run_id>/")
-    run_id: str | None = Field(None, title="Run id", description="reuse an id to resume; new one if empty",
-                               pattern=r"^[A-Za-z0-9._-]+$")
+    output: str = Field("runs", title="Output root", description="each run is written to OUTPUT/RUN_ID/")
+    run_id: str | None = Field(None, title="Run id",
+                               description="letters, digits, '.', '_', '-' (not starting with '.'); "
+                                           "reuse an id to resume; a new one if empty",
+                               pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
     model: str = Field("smollm2-135m", title="Model", description="'smollm2-135m' or a local HF-format directory")
     engine: Literal["native", "vllm"] = Field("native", title="Engine")
     max_tokens: int = Field(128, ge=1, title="Max new tokens per row (a row's max_tokens column wins)")

@@ -11,7 +11,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 
-from batchgen.runner import finalize, open_run, run_shard_in_worker
+from batchgen.runner import abandon, finalize, open_run, run_shard_in_worker
 from batchgen.settings import GenerateSettings
 
 
@@ -94,8 +94,8 @@ def generate(settings: GenerateSettings, fanout: FanOut = FanOut()) -> dict[str,
     try:
         shards_flow = generate_shards.with_options(task_runner=_task_runner(fanout))
         manifests = shards_flow(settings, str(opened.run.path), list(range(opened.num_shards)), fanout.gpus_per_shard)
-    except BaseException:
-        opened.run.unlock()
+    except BaseException as e:
+        abandon(opened, e)
         raise
     summary = finalize(opened)
     logger.info("run %s complete: %s", opened.run.path, summary)

@@ -1,24 +1,37 @@
 -- The run tables as views over one or many run directories.
 -- First: set variable runs = ['runs/my-run'];   (globs work too: ['runs/*'])
+-- Only committed data is read: the files that a shard's manifest (_manifests/shard=N.json, the
+-- commit record) names. Files of unfinished or dead attempts are never seen.
 -- Every view carries run_id (the run directory's name) and shard (the hive partition).
+create or replace view manifests as
+select regexp_extract(filename, '([^/]+)/_manifests/shard=', 1) as run_id,
+       regexp_replace(filename, '/_manifests/[^/]+$', '') as run_dir, shard, rows, ok, errors, files
+from read_json(list_transform(getvariable('runs'), lambda d: d || '/_manifests/shard=*.json'), filename = true,
+               union_by_name = true, columns = {shard: 'bigint', rows: 'bigint', ok: 'bigint', errors: 'bigint',
+               files: 'struct("table" varchar, path varchar, "rows" bigint, bytes bigint, sha256 varchar)[]'});
+
+set variable committed_files = (
+    with f as (select run_dir, unnest(files) as file from manifests)
+    select list(run_dir || '/' || file.path order by run_dir, file.path) from f);
+
 create or replace view requests as
 select regexp_extract(filename, '([^/]+)/requests/shard=', 1) as run_id, * exclude (filename)
-from read_parquet(list_transform(getvariable('runs'), lambda d: d || '/requests/*/*.parquet'),
+from read_parquet(list_filter(getvariable('committed_files'), lambda p: p like '%/requests/shard=%'),
                   hive_partitioning = true, filename = true, union_by_name = true);
 
 create or replace view errors as
 select regexp_extract(filename, '([^/]+)/errors/shard=', 1) as run_id, * exclude (filename)
-from read_parquet(list_transform(getvariable('runs'), lambda d: d || '/errors/*/*.parquet'),
+from read_parquet(list_filter(getvariable('committed_files'), lambda p: p like '%/errors/shard=%'),
                   hive_partitioning = true, filename = true, union_by_name = true);
 
 create or replace view tokens as
 select regexp_extract(filename, '([^/]+)/tokens/shard=', 1) as run_id, * exclude (filename)
-from read_parquet(list_transform(getvariable('runs'), lambda d: d || '/tokens/*/*.parquet'),
+from read_parquet(list_filter(getvariable('committed_files'), lambda p: p like '%/tokens/shard=%'),
                   hive_partitioning = true, filename = true, union_by_name = true);
 
 create or replace view steps as
 select regexp_extract(filename, '([^/]+)/steps/shard=', 1) as run_id, * exclude (filename)
-from read_parquet(list_transform(getvariable('runs'), lambda d: d || '/steps/*/*.parquet'),
+from read_parquet(list_filter(getvariable('committed_files'), lambda p: p like '%/steps/shard=%'),
                   hive_partitioning = true, filename = true, union_by_name = true);
 
 -- run.json as one json document per run

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_DATA = REPO.parent / "shared" / "data"
+TEST_DATA = Path(__file__).resolve().parent / "data"  # in the repo, with its licence (data/README.md)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -46,6 +46,31 @@ def tiny_model_dir(tmp_path_factory, real_model_dir) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), real_model_dir)
 
 
+def read_run_table(run_dir, table: str):
+    """One output table of a run, from the files its manifests commit (what every reader must see)."""
+    from batchgen.data.run import RunDir
+
+    return RunDir(run_dir).read_table(table)
+
+
+def cli_args(inp, out, model, run_id, *extra):
+    """`batchgen generate` on the tiny model: 4-token answers, shards of 4 rows, batches of 3."""
+    return ["generate", "--input", str(inp), "--output", str(out), "--run-id", run_id, "--model", str(model),
+            "--max-tokens", "4", "--max-model-len", "64", "--shard-size", "4", "--max-num-seqs", "3",
+            "--no-progress", *extra]
+
+
+def run_cli_subprocess(args, kill_at=None, env=None, timeout=300):
+    """The CLI in its own process (for crashes, signals and fault injection set through the environment)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "BATCHGEN_KILL_AT": kill_at or "", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "batchgen.cli", *args], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=timeout)
+
+
 def write_prompts(path: Path, prompts: list, ids: list | None = None, **extra_columns) -> Path:
     cols = {}
     if ids is not None:
@@ -58,7 +83,7 @@ def write_prompts(path: Path, prompts: list, ids: list | None = None, **extra_co
 
 @pytest.fixture
 def seed_prompts() -> Path:
-    return SHARED_DATA / "alpaca_seed_prompts.parquet"
+    return TEST_DATA / "alpaca_seed_prompts.parquet"
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,6 @@
 """One conformance suite, run against both engines on the real model: the same schema, the same
 invariants, the same error handling, and how often greedy outputs agree token for token."""
 
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
@@ -10,7 +9,9 @@ from batchgen.data.writer import SCHEMAS
 from batchgen.engine import RequestRejected
 from batchgen.runner import generate, load_engine
 
-from conftest import SHARED_DATA
+from conftest import TEST_DATA, read_run_table
+
+pytestmark = pytest.mark.heavy  # starts vLLM, a Prefect server or a Ray cluster: not in `make test-fast`
 
 ENGINES = ["native", "vllm"]
 N_PROMPTS = 16
@@ -21,7 +22,7 @@ def runs(tmp_path_factory):
     """Each engine generates the same dataset once (vLLM starts in ~30 s, so the runs are shared)."""
     pytest.importorskip("vllm", reason="the vLLM engine needs the cpu extra (make setup installs it)")
     root = tmp_path_factory.mktemp("conformance")
-    seed = pq.read_table(SHARED_DATA / "alpaca_seed_prompts.parquet").slice(0, N_PROMPTS)
+    seed = pq.read_table(TEST_DATA / "alpaca_seed_prompts.parquet").slice(0, N_PROMPTS)
     too_long = {"id": "too-long", "prompt": "lorem ipsum " * 400}
     empty = {"id": "empty", "prompt": "  "}
     rows = seed.to_pylist() + [too_long, empty]
@@ -38,7 +39,7 @@ def runs(tmp_path_factory):
 
 
 def tables(run_dir):
-    return {t: ds.dataset(run_dir / t, format="parquet", partitioning="hive").to_table() for t in SCHEMAS}
+    return {t: read_run_table(run_dir, t) for t in SCHEMAS}
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -163,7 +164,7 @@ def test_dead_vllm_engine_fails_the_run_and_a_rerun_resumes(tmp_path, runs):
     from batchgen.model.prepare import resolve_model
 
     inp = tmp_path / "in.parquet"
-    pq.write_table(pq.read_table(SHARED_DATA / "alpaca_seed_prompts.parquet").slice(0, 6), inp)
+    pq.write_table(pq.read_table(TEST_DATA / "alpaca_seed_prompts.parquet").slice(0, 6), inp)
     cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id="dies", engine="vllm", shard_size=3,
                     engine_config=EngineConfig(max_num_seqs=4, max_model_len=512),
                     sampling=SamplingParams(max_tokens=8), progress=False)

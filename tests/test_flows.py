@@ -2,10 +2,11 @@
 
 import os
 
-import pyarrow.dataset as ds
 import pytest
 
-from conftest import write_prompts
+from conftest import read_run_table, write_prompts
+
+pytestmark = pytest.mark.heavy  # starts vLLM, a Prefect server or a Ray cluster: not in `make test-fast`
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +27,7 @@ def settings_for(tmp_path, model, **kw):
 def ids_in(run_dir):
     out = []
     for t in ("requests", "errors"):
-        out += ds.dataset(f"{run_dir}/{t}", format="parquet", partitioning="hive").to_table().column("id").to_pylist()
+        out += read_run_table(run_dir, t).column("id").to_pylist()
     return sorted(out)
 
 
@@ -122,7 +123,9 @@ class FlakyEngineDouble:
         self.steps += 1
         if self.steps == 3 and FlakyEngineDouble.failures_left:
             FlakyEngineDouble.failures_left -= 1
-            raise RuntimeError("engine core died (test double)")
+            from batchgen.engine import EngineDead
+
+            raise EngineDead("engine core died (test double)")
         return self.real.step()
 
 

@@ -70,10 +70,10 @@ def real_prompt_ids(real_model_dir):
     from batchgen.model.tokenizer import Tokenizer
 
     import pyarrow.parquet as pq
-    from conftest import SHARED_DATA
+    from conftest import TEST_DATA
 
     tok = Tokenizer(real_model_dir)
-    rows = pq.read_table(SHARED_DATA / "alpaca_seed_prompts.parquet").to_pylist()[:10]
+    rows = pq.read_table(TEST_DATA / "alpaca_seed_prompts.parquet").to_pylist()[:10]
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}])) for r in rows]
 
 

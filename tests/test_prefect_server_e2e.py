@@ -9,10 +9,11 @@ import sys
 import time
 import urllib.request
 
-import pyarrow.dataset as ds
 import pytest
 
-from conftest import REPO, write_prompts
+from conftest import REPO, read_run_table, write_prompts
+
+pytestmark = pytest.mark.heavy  # starts vLLM, a Prefect server or a Ray cluster: not in `make test-fast`
 
 
 def free_port() -> int:
@@ -104,7 +105,7 @@ print(json.dumps({{"state": run.state.type.value, "schedules": [s.schedule.cron 
     assert result["schedules"] == ["0 2 * * *"]
     run_dir = tmp_path / "runs" / "ui-run"
     assert (run_dir / "_SUCCESS").is_file() and (run_dir / "report" / "report.html").is_file()
-    ids = ds.dataset(run_dir / "requests", format="parquet", partitioning="hive").to_table().column("id").to_pylist()
+    ids = read_run_table(run_dir, "requests").column("id").to_pylist()
     assert sorted(ids) == [f"e{i}" for i in range(5)]
     headline = result["artifact"]
     assert headline and "ui-run" in str(headline) and "output_tok_per_s" in str(headline)

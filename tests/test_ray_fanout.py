@@ -2,10 +2,11 @@
 
 import os
 
-import pyarrow.dataset as ds
 import pytest
 
-from conftest import write_prompts
+from conftest import read_run_table, write_prompts
+
+pytestmark = pytest.mark.heavy  # starts vLLM, a Prefect server or a Ray cluster: not in `make test-fast`
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +30,8 @@ def _harness(prefect_harness):
 
 
 def outputs(run_dir):
-    req = ds.dataset(f"{run_dir}/requests", format="parquet", partitioning="hive").to_table().to_pylist()
-    err = ds.dataset(f"{run_dir}/errors", format="parquet", partitioning="hive").to_table().to_pylist()
+    req = read_run_table(run_dir, "requests").to_pylist()
+    err = read_run_table(run_dir, "errors").to_pylist()
     return {r["id"]: r["output_token_ids"] for r in req}, sorted(e["id"] for e in err)
 
 

@@ -5,14 +5,13 @@ import math
 from collections import defaultdict
 
 import numpy as np
-import pyarrow.dataset as ds
 import pytest
 
 from batchgen.cli import main
 from batchgen.report.build import build_report
 from batchgen.report.queries import QUERIES, ReportError, connect, run_query
 
-from conftest import write_prompts
+from conftest import read_run_table, write_prompts
 
 
 def make_run(root, model, run_id, max_num_seqs, max_tokens="6", n=9):
@@ -32,7 +31,7 @@ def runs(tmp_path_factory, tiny_model_dir):
 
 
 def table(run, name):
-    return ds.dataset(run / name, format="parquet", partitioning="hive").to_table().to_pylist()
+    return read_run_table(run, name).to_pylist()
 
 
 def pct(values, q):

@@ -6,13 +6,12 @@ import signal
 import subprocess
 import sys
 
-import pyarrow.dataset as ds
 import pytest
 
 from batchgen.cli import main
 from batchgen.data.run import RunDir, RunError
 
-from conftest import REPO, write_prompts
+from conftest import cli_args, read_run_table, run_cli_subprocess, write_prompts
 
 N_ROWS = 11
 
@@ -23,21 +22,9 @@ def dataset(tmp_path):
     return write_prompts(tmp_path / "in.parquet", prompts, ids=[f"id{i:02d}" for i in range(N_ROWS)])
 
 
-def cli_args(inp, out, model, run_id):
-    return ["generate", "--input", str(inp), "--output", str(out), "--run-id", run_id, "--model", str(model),
-            "--max-tokens", "4", "--max-model-len", "64", "--shard-size", "4", "--max-num-seqs", "3",
-            "--no-progress"]
-
-
-def run_cli_subprocess(args, kill_at=None):
-    env = {**os.environ, "BATCHGEN_KILL_AT": kill_at or ""}
-    return subprocess.run([sys.executable, "-m", "batchgen.cli", *args], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=300)
-
-
 def outputs(run_dir):
     def rows(t):
-        return ds.dataset(run_dir / t, format="parquet", partitioning="hive").to_table().to_pylist()
+        return read_run_table(run_dir, t).to_pylist()
 
     return rows("requests"), rows("errors"), rows("tokens")
 
@@ -74,7 +61,7 @@ def test_changed_settings_under_the_same_run_id_are_refused(tmp_path, dataset, t
     assert "started with a different sampling" in capsys.readouterr().err
     write_prompts(dataset, ["other input"])
     assert main(cli_args(dataset, out, tiny_model_dir, "r")) == 2
-    assert "different input_fingerprint" in capsys.readouterr().err
+    assert "different input (its files' content changed)" in capsys.readouterr().err
     assert not (out / "r" / ".lock").exists()
 
 

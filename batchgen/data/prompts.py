@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from batchgen.config import ConfigError, SamplingParams
+from batchgen.data.reader import InvalidValue
 
 
 @dataclass
@@ -46,13 +47,23 @@ def _messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
+# What each integer parameter may hold: a seed is a signed 64-bit value (what every engine and the
+# sampler's hash take); counts fit in 32 bits. Outside these a row is refused, never the run.
+INT_RANGES = {"max_tokens": (1, 2**31 - 1), "top_k": (0, 2**31 - 1), "seed": (-(2**63), 2**63 - 1)}
+
+
 def _param(row: dict[str, Any], name: str, kind: type):
     v = row.get(name)
     if v is None:
         return None
+    if isinstance(v, InvalidValue):
+        raise ValueError(v.reason)
     if kind is int:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
             raise ValueError(f"{name} must be an integer, got {v!r}")
+        lo, hi = INT_RANGES[name]
+        if not lo <= v <= hi:
+            raise ValueError(f"{name} must be in [{lo}, {hi}], got {v!r}")
         return int(v)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise ValueError(f"{name} must be a finite number, got {v!r}")
@@ -76,6 +87,9 @@ class InputProcessor:
             sampling = replace(self.defaults, **{k: v for k, v in overrides.items() if v is not None})
         except (ValueError, ConfigError) as e:
             return RowError(rid, f"invalid parameter: {e}", "validate")
+        bad = next((v for v in row.values() if isinstance(v, InvalidValue)), None)
+        if bad is not None:
+            return RowError(rid, bad.reason, "validate")
         try:
             if "messages" in row:
                 text = self.tokenizer.apply_chat_template(_messages(row["messages"]))

@@ -17,8 +17,9 @@ from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
+
+from batchgen.data.storage import sha256_file
 
 PROMPT, MESSAGES, ID = "prompt", "messages", "id"
 PARAM_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
@@ -32,10 +33,10 @@ def expand_inputs(inputs: tuple[str, ...] | list[str]) -> list[str]:
     files: list[str] = []
     for item in inputs:
         if any(ch in item for ch in "*?["):
-            matched = sorted(globlib.glob(item, recursive=True))
+            matched = [m for m in sorted(globlib.glob(item, recursive=True)) if os.path.isfile(m)]
             if not matched:
                 raise InputError(f"{item}: no files match this glob")
-            files += [m for m in matched if os.path.isfile(m)]
+            files += matched
         elif os.path.isdir(item):
             found = sorted(str(p) for p in Path(item).rglob("*.parquet") if p.is_file()
                            and not any(part.startswith((".", "_")) for part in p.relative_to(item).parts))
@@ -49,11 +50,49 @@ def expand_inputs(inputs: tuple[str, ...] | list[str]) -> list[str]:
     return files
 
 
+def _plain(t: pa.DataType) -> pa.DataType:
+    """The type a column is read as: dictionary-encoded values decoded, large strings as strings,
+    integers as int64 (a uint64 stays, so an out-of-range value reaches its row's check)."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if pa.types.is_large_string(t):
+        return pa.string()
+    if pa.types.is_integer(t) and not t == pa.uint64():
+        return pa.int64()
+    if pa.types.is_floating(t):
+        return pa.float64()
+    return t
+
+
+class InvalidValue:
+    """A value that could not be read (invalid UTF-8): its row becomes an error row, not a crash."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
 @dataclass
 class Shard:
     index: int
     table: pa.Table  # columns: id (string) + prompt/messages + parameter columns present
     first_row: int
+
+    def rows(self) -> Iterator[dict]:
+        """The rows as dicts; a value that cannot be decoded reads as InvalidValue."""
+        try:
+            yield from self.table.to_pylist()
+            return
+        except (UnicodeDecodeError, pa.ArrowInvalid):
+            pass
+        columns = {c: self.table.column(c) for c in self.table.column_names}
+        for i in range(self.table.num_rows):
+            row = {}
+            for c, col in columns.items():
+                try:
+                    row[c] = col[i].as_py()
+                except (UnicodeDecodeError, pa.ArrowInvalid) as e:
+                    row[c] = InvalidValue(f"column {c!r} is not valid UTF-8 ({e})")
+            yield row
 
 
 class PromptDataset:
@@ -61,23 +100,27 @@ class PromptDataset:
 
     def __init__(self, inputs: tuple[str, ...] | list[str]):
         self.files = expand_inputs(inputs)
-        schemas = []
         self.num_rows = 0
-        self._rows_per_file: list[tuple[str, int]] | None = None
+        self._rows_per_file: list[tuple[str, int]] = []
+        file_schemas: list[pa.Schema] = []
         for f in self.files:
             try:
                 meta = pq.read_metadata(f)
-                schemas.append(pq.read_schema(f))
+                file_schemas.append(pq.read_schema(f))
             except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
                 raise InputError(f"{f}: not a readable Parquet file ({type(e).__name__}: {str(e).splitlines()[0]})") from None
             self.num_rows += meta.num_rows
+            self._rows_per_file.append((f, meta.num_rows))
+        plain = [pa.schema([pa.field(fl.name, _plain(fl.type)) for fl in sc]) for sc in file_schemas]
         try:
-            self.dataset = ds.dataset(self.files, format="parquet", partitioning="hive",
-                                      schema=pa.unify_schemas(schemas))
+            self.schema = pa.unify_schemas(plain, promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             raise InputError(f"{self.files[0]}: the files' schemas do not agree ({str(e).splitlines()[0]})") from None
-        self.schema = self.dataset.schema
         self._validate_schema()
+        for f, sc in zip(self.files, file_schemas):  # each file must carry the prompt: no silent null rows
+            if self.prompt_column not in sc.names:
+                raise InputError(f"{f}: no {self.prompt_column!r} column, which the other input files have "
+                                 f"(columns: {', '.join(sc.names)})")
         if self.num_rows == 0:
             raise InputError(f"{self._where()}: the dataset has no rows")
         self._check_ids()
@@ -91,12 +134,12 @@ class PromptDataset:
             raise InputError(f"{self._where()}: no 'prompt' or 'messages' column (columns: {', '.join(names)})")
         if PROMPT in names:
             t = self.schema.field(PROMPT).type
-            if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+            if not pa.types.is_string(t):
                 raise InputError(f"{self._where()}: column 'prompt' must be string, found {t}")
             self.prompt_column = PROMPT
         else:
             t = self.schema.field(MESSAGES).type
-            ok = pa.types.is_string(t) or pa.types.is_large_string(t) or (
+            ok = pa.types.is_string(t) or (
                 (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_struct(t.value_type))
             if not ok:
                 raise InputError(f"{self._where()}: column 'messages' must be list<struct<role, content>> "
@@ -104,14 +147,14 @@ class PromptDataset:
             self.prompt_column = MESSAGES
         if ID in names:
             t = self.schema.field(ID).type
-            if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)):
+            if not (pa.types.is_string(t) or pa.types.is_integer(t)):
                 raise InputError(f"{self._where()}: column 'id' must be string or integer, found {t}")
         self.columns = [c for c in (ID, self.prompt_column, *PARAM_COLUMNS) if c in names]
 
     def _check_ids(self) -> None:
         if ID not in self.schema.names:
             return
-        ids = self.dataset.to_table(columns=[ID]).column(ID)
+        ids = self.ids()
         if ids.null_count:
             raise InputError(f"{self._where()}: column 'id' has {ids.null_count} null values")
         if pc.count_distinct(ids).as_py() != len(ids):
@@ -119,11 +162,27 @@ class PromptDataset:
             dup = next(v["values"] for v in counts.to_pylist() if v["counts"] > 1)
             raise InputError(f"{self._where()}: column 'id' has duplicate values (e.g. {dup!r})")
 
+    def ids(self) -> pa.Array:
+        """Every row's id as a string, in row order (the row number where there is no id column)."""
+        if ID not in self.schema.names:
+            return pa.array([str(i) for i in range(self.num_rows)], pa.string())
+        parts = []
+        for f in self.files:
+            col = pq.read_table(f, columns=[ID]).column(ID)
+            col = col.cast(_plain(col.type)).cast(pa.string())
+            try:
+                col.validate(full=True)
+            except pa.ArrowInvalid:
+                raise InputError(f"{f}: column 'id' holds invalid UTF-8; ids must be readable text") from None
+            parts += col.chunks
+        return pa.chunked_array(parts, pa.string()).combine_chunks() if parts else pa.array([], pa.string())
+
     def fingerprint(self) -> str:
-        """Identifies the input: paths, sizes, row counts and schema (not a content hash)."""
+        """Identifies the input by its content: each file's path, size and sha256, and the schema.
+        A file rewritten in place (same size, same row count) is a different input."""
         h = hashlib.sha256()
         for f in self.files:
-            h.update(f"{os.path.abspath(f)}|{os.path.getsize(f)}|{pq.read_metadata(f).num_rows}\n".encode())
+            h.update(f"{os.path.abspath(f)}|{os.path.getsize(f)}|{sha256_file(Path(f))}\n".encode())
         h.update(str(self.schema).encode())
         return h.hexdigest()[:16]
 
@@ -180,8 +239,6 @@ class PromptDataset:
                     break
 
     def _file_rows(self) -> list[tuple[str, int]]:
-        if self._rows_per_file is None:
-            self._rows_per_file = [(f, pq.read_metadata(f).num_rows) for f in self.files]
         return self._rows_per_file
 
     def _normalise(self, table: pa.Table, present: list[str]) -> pa.Table:

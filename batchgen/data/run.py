@@ -1,16 +1,24 @@
-"""The run directory: run.json, a lock, atomic per-shard commits with manifests, resume, _SUCCESS.
+"""The run directory and its commit protocol: run.json, leases, per-shard manifests, resume, _SUCCESS.
 
     OUTPUT/<run_id>/
-      run.json                     conditions + identity (refused on resume if it changed)
-      requests|errors|tokens|steps/shard=00000/part-0.parquet
-      _manifests/shard=00000.json  written last: the shard's commit record
-      _SUCCESS                     only after every input row is verified to be in exactly one place
-      .lock                        pid + host of the writer
+      run.json                                   identity (refused on resume if it changed), conditions, attempts
+      requests|errors|tokens|steps/shard=00000/part-<attempt>.parquet
+      _manifests/shard=00000.json                the shard's commit record, written last
+      _attempts/<start>-<host>-<pid>.json        one per engine-holding process: conditions and how it ended
+      _locks/shard=00000.lock, .lock             leases (batchgen.data.lock)
+      _SUCCESS                                   only after every input id is verified to be in exactly one place
+
+The protocol (the shape of Hadoop's and Spark's output committers and of Delta Lake's log):
+- a shard's data files get names unique to the attempt, so two attempts never write the same file;
+- a shard is committed when, and only when, its manifest exists, naming each file with its row
+  count, size and sha256; the manifest is written atomically and last, after the data is durable;
+- readers (resume, the final check, reports) see only files that a manifest names; leftovers of
+  dead attempts are ignored, then removed when the shard's next attempt commits;
+- resume trusts a manifest only after checking every file it names against its checksum.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -25,9 +33,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from batchgen.data.lock import Lease, LockError
+from batchgen.data.storage import durable_write, fsync_dir, sha256_file
 from batchgen.faults import checkpoint
 
 TABLES = ("requests", "errors", "tokens", "steps")
+IDENTITY_WORDS = {"input_fingerprint": "input (its files' content changed)", "model_fingerprint": "model",
+                  "engine_config": "engine settings", "sampling": "sampling settings", "engine": "engine",
+                  "engine_options": "engine options", "shard_size": "shard size", "too_long": "too_long policy"}
 
 
 class RunError(RuntimeError):
@@ -38,93 +51,20 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
 
-def _fsync_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class FileLock:
-    """An O_EXCL lock file holding pid + host; a lock whose process is dead (same host) is taken over."""
-
-    def __init__(self, path: Path, what: str):
-        self.path = path
-        self.what = what
-        self.held = False
-
-    def acquire(self) -> "FileLock":
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    holder = json.loads(self.path.read_text() or "{}")
-                except (OSError, json.JSONDecodeError):
-                    holder = {}
-                pid, host = holder.get("pid"), holder.get("host")
-                if pid and host == me["host"] and not _pid_alive(pid):
-                    self.path.unlink(missing_ok=True)  # stale: its process is dead
-                    continue
-                if not pid:  # half-written: its writer died between create and write
-                    with contextlib.suppress(OSError):
-                        if time.time() - self.path.stat().st_mtime > 5:
-                            self.path.unlink(missing_ok=True)
-                            continue
-                since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
-                raise RunError(f"{self.what} is locked by pid {pid} on host {host} (since {since})")
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
-            return self
-        raise RunError(f"could not take the lock on {self.what}")
-
-    def release(self) -> None:
-        if self.held:
-            self.path.unlink(missing_ok=True)
-            self.held = False
-
-    def __enter__(self) -> "FileLock":
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
 class RunDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._lock = FileLock(self.path / ".lock", f"run directory {self.path}")
+        self._lock = Lease(self.path / ".lock", f"run directory {self.path}")
+        self._attempt_file: Path | None = None
 
     @staticmethod
     def shard_name(index: int) -> str:
         return f"shard={index:05d}"
 
-    # ---- creation, identity, lock ---------------------------------------------------------------
+    # ---- creation, identity, lease --------------------------------------------------------------
 
     def open(self, identity: dict[str, Any], info: dict[str, Any] | None = None) -> bool:
-        """Create the run (or check that an existing one has the same identity) and take its lock.
+        """Create the run (or check that an existing one has the same identity) and take its lease.
         Returns True on resume."""
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -140,8 +80,9 @@ class RunDir:
             changed = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
             if changed:
                 self.unlock()
-                raise RunError(f"run {self.path.name} was started with a different {', '.join(changed)}; "
-                               f"use a new --run-id (or the original settings) to continue")
+                words = ", ".join(IDENTITY_WORDS.get(k, k) for k in changed)
+                raise RunError(f"run {self.path.name} was started with a different {words}; "
+                               f"use a new --run-id (or the original settings and input) to continue")
             return True
         doc = {"run_id": self.path.name, "run_start_wall": time.time(), "identity": identity, **(info or {})}
         self._write_json(doc)
@@ -151,118 +92,187 @@ class RunDir:
         return json.loads((self.path / "run.json").read_text())
 
     def _write_json(self, doc: dict[str, Any]) -> None:
-        _fsync_write(self.path / "run.json", json.dumps(doc, indent=2, sort_keys=True, default=str).encode())
+        durable_write(self.path / "run.json", json.dumps(doc, indent=2, sort_keys=True, default=str).encode())
+
+    def lock(self) -> None:
+        try:
+            self._lock.acquire()
+        except LockError as e:
+            raise RunError(str(e)) from None
+
+    def unlock(self) -> None:
+        self._lock.release()
+
+    def shard_lock(self, index: int) -> Lease:
+        (self.path / "_locks").mkdir(exist_ok=True)
+        return Lease(self.path / "_locks" / f"{self.shard_name(index)}.lock", f"shard {index} of run {self.path.name}")
+
+    # ---- attempts -------------------------------------------------------------------------------
 
     def record_attempt(self, conditions: dict[str, Any]) -> None:
-        """One file per engine-holding process (workers may run in parallel); merged into run.json at the end."""
+        """One file per engine-holding process (workers may run in parallel); merged into run.json."""
         d = self.path / "_attempts"
         d.mkdir(exist_ok=True)
-        doc = {"started_wall": time.time(), "host": socket.gethostname(), "pid": os.getpid(), "conditions": conditions}
-        _fsync_write(d / f"{doc['started_wall']:.6f}-{doc['host']}-{doc['pid']}.json",
-                     json.dumps(doc, default=str).encode())
+        doc = {"started_wall": time.time(), "host": socket.gethostname(), "pid": os.getpid(), "status": "running",
+               "conditions": conditions}
+        self._attempt_file = d / f"{doc['started_wall']:.6f}-{doc['host']}-{doc['pid']}.json"
+        durable_write(self._attempt_file, json.dumps(doc, default=str).encode())
+
+    def end_attempt(self, status: str, detail: str | None = None) -> None:
+        """Say how this process's attempt ended: completed | interrupted | failed; and, if we hold the
+        run's lease, merge every attempt into run.json."""
+        if self._attempt_file is not None and self._attempt_file.is_file():
+            doc = json.loads(self._attempt_file.read_text())
+            doc.update(status=status, ended_wall=time.time(), **({"detail": detail} if detail else {}))
+            durable_write(self._attempt_file, json.dumps(doc, default=str).encode())
+        if self._lock.held:
+            self._merge_attempts()
 
     def attempts(self) -> list[dict[str, Any]]:
         d = self.path / "_attempts"
         docs = [json.loads(p.read_text()) for p in d.glob("*.json")] if d.is_dir() else []
         return sorted(docs, key=lambda a: a["started_wall"])
 
-    def lock(self) -> None:
-        self._lock.acquire()
-
-    def unlock(self) -> None:
-        self._lock.release()
-
-    def shard_lock(self, index: int) -> FileLock:
-        (self.path / "_locks").mkdir(exist_ok=True)
-        return FileLock(self.path / "_locks" / f"{self.shard_name(index)}.lock",
-                        f"shard {index} of run {self.path.name}")
-
-    # ---- shards ---------------------------------------------------------------------------------
-
-    def manifest_path(self, index: int) -> Path:
-        return self.path / "_manifests" / f"{self.shard_name(index)}.json"
-
-    def is_committed(self, index: int) -> bool:
-        m = self.manifest_path(index)
-        if not m.is_file():
-            return False
-        doc = json.loads(m.read_text())
-        return all((self.path / rel).is_file() and (self.path / rel).stat().st_size == info["bytes"]
-                   for rel, info in doc["files"].items())
-
-    def clear_partial(self, index: int) -> None:
-        """Remove whatever a crashed attempt left of an uncommitted shard."""
-        name = self.shard_name(index)
-        self.manifest_path(index).unlink(missing_ok=True)
-        for t in TABLES:
-            shutil.rmtree(self.path / t / name, ignore_errors=True)
-        shutil.rmtree(self.path / "_staging" / name, ignore_errors=True)
-
-    def commit_shard(self, index: int, tables: dict[str, pa.Table], input_ids: pa.Array,
-                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Check exactly-once for the shard, write to staging, publish by rename, then the manifest."""
-        done = pa.concat_arrays([tables[t].column("id").combine_chunks().cast(pa.string())
-                                 for t in ("requests", "errors")])
-        if len(done) != len(input_ids) or pc.count_distinct(done).as_py() != len(done) or \
-                not pc.all(pc.is_in(input_ids, value_set=done)).as_py():
-            raise RunError(f"shard {index}: outputs do not account for every input row exactly once "
-                           f"({len(input_ids)} in, {len(done)} out)")
-        name = self.shard_name(index)
-        staging = self.path / "_staging" / name
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        files: dict[str, dict[str, Any]] = {}
-        for t in TABLES:
-            tmp = staging / f"{t}.parquet"
-            pq.write_table(tables[t], tmp, compression="zstd")
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            rel = f"{t}/{name}/part-0.parquet"
-            files[rel] = {"rows": tables[t].num_rows, "bytes": tmp.stat().st_size, "sha256": _sha256(tmp)}
-        checkpoint("commit-staged")
-        for t in TABLES:
-            dest = self.path / t / name
-            dest.mkdir(parents=True, exist_ok=True)
-            os.replace(staging / f"{t}.parquet", dest / "part-0.parquet")
-        shutil.rmtree(staging, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            staging.parent.rmdir()  # only when no other shard is staging
-        checkpoint("commit-published")
-        ids_hash = hashlib.sha256("\n".join(input_ids.to_pylist()).encode()).hexdigest()[:16]
-        manifest = {"shard": index, "rows": len(input_ids), "ok": tables["requests"].num_rows,
-                    "errors": tables["errors"].num_rows, "input_ids_sha256": ids_hash, "files": files,
-                    "committed_at": time.time(), **(extra or {})}
-        self.manifest_path(index).parent.mkdir(exist_ok=True)
-        _fsync_write(self.manifest_path(index), json.dumps(manifest, indent=2).encode())
-        return manifest
-
-    def manifests(self) -> list[dict[str, Any]]:
-        d = self.path / "_manifests"
-        return [json.loads(p.read_text()) for p in sorted(d.glob("shard=*.json"))] if d.is_dir() else []
-
-    # ---- the end --------------------------------------------------------------------------------
-
-    def verify_and_succeed(self, num_input_rows: int, num_shards: int) -> dict[str, int]:
-        """Every input row exactly once across requests/ and errors/; then write _SUCCESS."""
-        manifests = self.manifests()
-        if sorted(m["shard"] for m in manifests) != list(range(num_shards)):
-            raise RunError(f"run {self.path.name}: committed shards do not match the {num_shards} expected")
-        ids = []
-        for t in ("requests", "errors"):
-            for p in sorted((self.path / t).glob("shard=*/part-0.parquet")):
-                ids.append(pq.read_table(p, columns=["id"]).column("id"))
-        all_ids = pa.chunked_array([c for col in ids for c in col.chunks], pa.string())
-        n, distinct = len(all_ids), pc.count_distinct(all_ids).as_py() if len(all_ids) else 0
-        if n != num_input_rows or distinct != n:
-            raise RunError(f"run {self.path.name}: {num_input_rows} input rows but {n} output rows "
-                           f"({distinct} distinct ids); not marking success")
-        summary = {"rows": n, "ok": sum(m["ok"] for m in manifests), "errors": sum(m["errors"] for m in manifests),
-                   "shards": num_shards}
+    def _merge_attempts(self) -> None:
         doc = self.read_json()
         attempts = self.attempts()
         doc["attempts"] = attempts
         if attempts:
             doc["conditions"] = {**doc.get("conditions", {}), **attempts[0]["conditions"]}
         self._write_json(doc)
-        _fsync_write(self.path / "_SUCCESS", json.dumps(summary).encode())
-        return summary
+
+    # ---- shards ---------------------------------------------------------------------------------
+
+    def manifest_path(self, index: int) -> Path:
+        return self.path / "_manifests" / f"{self.shard_name(index)}.json"
+
+    def check_shard(self, index: int) -> tuple[bool, str | None]:
+        """(committed, problem): a shard counts as committed only if every file its manifest names is
+        there with the recorded size and sha256. `problem` says what failed, naming the file."""
+        m = self.manifest_path(index)
+        if not m.is_file():
+            return False, None
+        try:
+            files = json.loads(m.read_text())["files"]
+        except (OSError, ValueError, KeyError) as e:
+            return False, f"{m}: unreadable manifest ({e})"
+        for f in files:
+            p = self.path / f["path"]
+            if not p.is_file():
+                return False, f"{p} is missing"
+            if p.stat().st_size != f["bytes"]:
+                return False, f"{p} has {p.stat().st_size} bytes, its manifest says {f['bytes']}"
+            if sha256_file(p) != f["sha256"]:
+                return False, f"{p} does not match the sha256 in its manifest"
+        return True, None
+
+    def clear_shard(self, index: int) -> None:
+        """Remove a shard's manifest and every data file of it: what a crashed or damaged attempt left."""
+        name = self.shard_name(index)
+        self.manifest_path(index).unlink(missing_ok=True)
+        for t in TABLES:
+            shutil.rmtree(self.path / t / name, ignore_errors=True)
+
+    def commit_shard(self, index: int, tables: dict[str, pa.Table], input_ids: pa.Array,
+                     extra: dict[str, Any] | None = None, fence: Lease | None = None) -> dict[str, Any]:
+        """Check exactly-once for the shard, write its files under attempt-unique names, make them
+        durable, then write the manifest that commits them. `fence` (the shard's lease) is checked
+        just before the manifest, so an attempt whose lease was taken over never commits."""
+        done = pa.concat_arrays([tables[t].column("id").combine_chunks().cast(pa.string())
+                                 for t in ("requests", "errors")])
+        if len(done) != len(input_ids) or pc.count_distinct(done).as_py() != len(done) or \
+                not pc.all(pc.is_in(input_ids, value_set=done)).as_py():
+            raise RunError(f"shard {index}: outputs do not account for every input row exactly once "
+                           f"({len(input_ids)} in, {len(done)} out)")
+        name, attempt = self.shard_name(index), uuid.uuid4().hex[:12]
+        files = []
+        for i, t in enumerate(TABLES):
+            buf = pa.BufferOutputStream()
+            pq.write_table(tables[t], buf, compression="zstd")
+            data = buf.getvalue().to_pybytes()
+            rel = f"{t}/{name}/part-{attempt}.parquet"
+            if not (self.path / t / name).is_dir():
+                (self.path / t / name).mkdir(parents=True, exist_ok=True)
+                fsync_dir(self.path / t)  # the new shard directory's entry must survive a power cut too
+            durable_write(self.path / rel, data, atomic=False)  # a unique name: nobody else writes it
+            files.append({"table": t, "path": rel, "rows": tables[t].num_rows, "bytes": len(data),
+                          "sha256": hashlib.sha256(data).hexdigest()})
+            if i == 1:
+                checkpoint("commit-staged")
+        checkpoint("commit-published")
+        ids_hash = hashlib.sha256("\n".join(input_ids.to_pylist()).encode()).hexdigest()[:16]
+        manifest = {"shard": index, "attempt": attempt, "rows": len(input_ids), "ok": tables["requests"].num_rows,
+                    "errors": tables["errors"].num_rows, "input_ids_sha256": ids_hash, "files": files,
+                    "committed_at": time.time(), **(extra or {})}
+        if fence is not None:
+            fence.check()
+        if not self.manifest_path(index).parent.is_dir():
+            self.manifest_path(index).parent.mkdir(exist_ok=True)
+            fsync_dir(self.path)
+        durable_write(self.manifest_path(index), json.dumps(manifest, indent=2).encode())
+        self._remove_leftovers(index, {f["path"] for f in files})
+        return manifest
+
+    def _remove_leftovers(self, index: int, keep: set[str]) -> None:
+        for t in TABLES:
+            d = self.path / t / self.shard_name(index)
+            for p in d.iterdir() if d.is_dir() else ():
+                if str(p.relative_to(self.path)) not in keep:
+                    p.unlink(missing_ok=True)
+
+    def manifests(self) -> list[dict[str, Any]]:
+        d = self.path / "_manifests"
+        return [json.loads(p.read_text()) for p in sorted(d.glob("shard=*.json"))] if d.is_dir() else []
+
+    def committed_files(self, table: str) -> list[Path]:
+        """The data files of `table` that manifests name: the only ones a reader may see."""
+        return [self.path / f["path"] for m in self.manifests() for f in m["files"] if f["table"] == table]
+
+    def read_table(self, table: str, columns: list[str] | None = None) -> pa.Table:
+        """One output table over the committed shards (leftovers of dead attempts are never read)."""
+        from batchgen.data.writer import SCHEMAS
+
+        schema = SCHEMAS[table] if columns is None else pa.schema([SCHEMAS[table].field(c) for c in columns])
+        parts = [pq.read_table(p, columns=columns) for p in self.committed_files(table)]
+        return pa.concat_tables(parts, promote_options="default") if parts else schema.empty_table()
+
+    # ---- the end --------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """How far the run is: committed shards and rows against the input's."""
+        doc = self.read_json()
+        manifests = self.manifests()
+        total_shards, total_rows = doc["input"]["shards"], doc["input"]["rows"]
+        return {"run_id": self.path.name, "complete": (self.path / "_SUCCESS").is_file(),
+                "shards": total_shards, "shards_committed": len(manifests),
+                "rows": total_rows, "rows_committed": sum(m["rows"] for m in manifests)}
+
+    def verify(self, input_ids: pa.Array, num_shards: int) -> dict[str, int]:
+        """The set of ids across requests/ and errors/ must equal the input's, each exactly once, and
+        every committed file must match its checksum. Returns the summary that _SUCCESS records."""
+        manifests = self.manifests()
+        if sorted(m["shard"] for m in manifests) != list(range(num_shards)):
+            raise RunError(f"run {self.path.name}: committed shards do not match the {num_shards} expected")
+        for m in manifests:
+            ok, problem = self.check_shard(m["shard"])
+            if not ok:
+                raise RunError(f"run {self.path.name}: {problem}; run the same command again to redo the shard")
+        out = pa.concat_arrays([self.read_table(t, ["id"]).column("id").combine_chunks() for t in ("requests", "errors")])
+        n, distinct = len(out), (pc.count_distinct(out).as_py() if len(out) else 0)
+        missing = pc.filter(input_ids, pc.invert(pc.is_in(input_ids, value_set=out)))
+        unexpected = pc.filter(out, pc.invert(pc.is_in(out, value_set=input_ids)))
+        if n != len(input_ids) or distinct != n or len(missing) or len(unexpected):
+            detail = []
+            if len(missing):
+                detail.append(f"{len(missing)} input ids have no output (e.g. {missing[0].as_py()!r})")
+            if len(unexpected):
+                detail.append(f"{len(unexpected)} output ids are not in the input (e.g. {unexpected[0].as_py()!r})")
+            if distinct != n:
+                detail.append(f"{n - distinct} ids appear more than once")
+            raise RunError(f"run {self.path.name}: {len(input_ids)} input rows but {n} output rows "
+                           f"({'; '.join(detail) or 'counts differ'}); not marking success")
+        return {"rows": n, "ok": sum(m["ok"] for m in manifests), "errors": sum(m["errors"] for m in manifests),
+                "shards": num_shards}
+
+    def mark_success(self, summary: dict[str, int]) -> None:
+        durable_write(self.path / "_SUCCESS", json.dumps(summary).encode())

@@ -1,4 +1,4 @@
-"""The one owner of the output Parquet schema (../shared/METRICS.md): requests, errors, tokens, steps.
+"""The one owner of the output Parquet schema (docs/METRICS.md): requests, errors, tokens, steps.
 
 `ShardWriter` turns engine StepResults and row errors into Arrow tables for one shard. It knows
 nothing of torch; times arrive as seconds relative to the run start.
@@ -67,6 +67,20 @@ class ShardWriter:
         self.num_output_tokens += n
         for f in r.finished:
             self._add_request(f)
+
+    def discard(self, request_ids: list[str]) -> None:
+        """Forget the token rows of requests that were aborted unfinished (they will be redone)."""
+        drop = set(request_ids)
+        if not drop:
+            return
+        ids = self.tokens["request_id"]
+        keep = [i for i, rid in enumerate(ids) if rid not in drop]
+        self.num_output_tokens -= len(ids) - len(keep)
+        for name, col in self.tokens.items():
+            if col:  # token_id stays empty until tables()
+                self.tokens[name] = [col[i] for i in keep]
+        for rid in drop:
+            self._last_t.pop(rid, None)
 
     def _add_request(self, f) -> None:
         q = self.requests

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from batchgen.config import EngineConfig
-from batchgen.engine.base import Engine, FinishedRequest, RequestRejected, StepResult
+from batchgen.engine.base import Engine, EngineDead, FinishedRequest, RequestRejected, StepResult
 
 
 def create_engine(name: str, model_dir: str | Path, config: EngineConfig, clock: Callable[[], float] | None = None,
@@ -22,4 +22,4 @@ def create_engine(name: str, model_dir: str | Path, config: EngineConfig, clock:
     raise ValueError(f"unknown engine {name!r}; choose 'native' or 'vllm'")
 
 
-__all__ = ["Engine", "EngineConfig", "FinishedRequest", "RequestRejected", "StepResult", "create_engine"]
+__all__ = ["Engine", "EngineDead", "EngineConfig", "FinishedRequest", "RequestRejected", "StepResult", "create_engine"]

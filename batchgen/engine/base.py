@@ -3,6 +3,7 @@
     engine.add(request_id, prompt_token_ids, sampling)   # may raise RequestRejected
     while engine.has_unfinished():
         result = engine.step()                           # StepResult: per-step stats, token events, finished
+    engine.abort_all()                                   # after a failed step: drop what is unfinished
 
 Times are seconds on the engine's clock (monotonic, relative to the run start), taken after the
 device has synchronized for the step.
@@ -19,6 +20,11 @@ from batchgen.config import SamplingParams
 
 class RequestRejected(ValueError):
     """The engine refused one request (too long, invalid parameters); the run goes on."""
+
+
+class EngineDead(RuntimeError):
+    """The engine cannot go on (a dead vLLM core, a lost device): the shard fails and is retried.
+    Any other exception from step() is treated as possibly one request's fault and isolated."""
 
 
 @dataclass
@@ -65,6 +71,11 @@ class Engine(ABC):
 
     @abstractmethod
     def has_unfinished(self) -> bool: ...
+
+    @abstractmethod
+    def abort_all(self) -> list[str]:
+        """Drop every unfinished request (waiting or running) and return their ids; the engine is
+        then empty and ready for new requests. Used to isolate a request that makes step() fail."""
 
     @abstractmethod
     def conditions(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from batchgen.engine.base import Engine, FinishedRequest, RequestRejected, StepR
 from batchgen.engine.kv_cache import KVCache
 from batchgen.engine.request import Request
 from batchgen.engine.sampler import Sampler
+from batchgen.faults import fail_if_poisoned, fault_requests_active
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.model.loader import DTYPES, load_model, read_model_config
 from batchgen.model.tokenizer import Tokenizer
@@ -83,9 +84,15 @@ class NativeEngine(Engine):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort_all(self) -> list[str]:
+        self._ids.clear()
+        return [r.request_id for r in self.scheduler.abort_all()]
+
     def step(self) -> StepResult:
         start_t = self.clock()
         sched = self.scheduler.schedule()
+        if fault_requests_active():
+            fail_if_poisoned([r.request_id for r in sched.prefill + sched.decode])
         parts: list[torch.Tensor] = []
         num_passes = 0
         if sched.decode:

@@ -87,3 +87,12 @@ class Scheduler:
         self.running.remove(request)
         heapq.heappush(self._free_slots, request.slot)
         self.kv_reserved_tokens -= request.max_total_tokens(self.max_model_len)
+
+    def abort_all(self) -> list[Request]:
+        """Forget every unfinished request and free all slots and reservations."""
+        dropped = [r for _, _, r in self._waiting] + self.running
+        self._waiting.clear()
+        self.running = []
+        self._free_slots = list(range(self.max_num_seqs))
+        self.kv_reserved_tokens = 0
+        return dropped

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import batchgen
 from batchgen.config import EngineConfig, SamplingParams
-from batchgen.engine.base import Engine, FinishedRequest, RequestRejected, StepResult, monotonic_clock
+from batchgen.engine.base import Engine, EngineDead, FinishedRequest, RequestRejected, StepResult, monotonic_clock
 from batchgen.model.loader import count_decode_weight_elements, read_model_config
 from batchgen.model.tokenizer import Tokenizer
 
@@ -26,7 +26,7 @@ BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 IDLE_TIMEOUT_S = 600.0  # no output at all for this long, with requests in flight, means a wedged engine
 
 
-class EngineDied(RuntimeError):
+class EngineDied(EngineDead):
     """The vLLM engine can no longer make progress."""
 
 
@@ -174,14 +174,14 @@ class VllmEngine(Engine):
         start_t = self.clock()
         if self._core_dead():
             raise EngineDied("vLLM's engine core died; the shard fails and is redone on retry or resume")
-        outputs = self.engine.step()
+        outputs = self._engine_step()
         idle_since = time.monotonic()
         while not outputs and self.engine.has_unfinished_requests():  # an idle poll is not a step
             if self._core_dead():
                 raise EngineDied("vLLM's engine core died; the shard fails and is redone on retry or resume")
             if time.monotonic() - idle_since > IDLE_TIMEOUT_S:
                 raise EngineDied(f"vLLM produced no output for {IDLE_TIMEOUT_S:.0f} s with requests in flight")
-            outputs = self.engine.step()
+            outputs = self._engine_step()
         end_t = self.clock()
         now_mono = time.monotonic()
         self._step_id += 1
@@ -221,6 +221,23 @@ class VllmEngine(Engine):
         res.bytes_read = (self.weight_bytes if num_tokens or res.num_prefill_tokens else 0) + \
             num_tokens * self.row_embed_bytes + self.kv_bytes_per_token * res.sum_context_len
         return res
+
+    def _engine_step(self):
+        try:
+            return self.engine.step()
+        except EngineDead:
+            raise
+        except Exception as e:  # vLLM's EngineDeadError fails the shard; anything else may be one request's
+            if "Dead" in type(e).__name__:
+                raise EngineDied(f"vLLM's engine core died: {e}") from e
+            raise
+
+    def abort_all(self) -> list[str]:
+        ids = list(self._requests)
+        if ids and not self._core_dead():
+            self.engine.abort_request(ids)
+        self._requests.clear()
+        return ids
 
     def conditions(self) -> dict[str, Any]:
         c = self.config

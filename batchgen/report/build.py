@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.report.html import render
+from batchgen.report.html import partial_notes, render
 from batchgen.report.queries import LARGE, QUERIES, connect, copy_query
 
 
@@ -56,4 +56,6 @@ HEADLINES = (
 
 
 def headline_text(results: dict[str, pa.Table]) -> str:
-    return "\n\n".join(f"{title}\n{format_table(results[name], cols)}" for title, name, cols in HEADLINES)
+    tables = "\n\n".join(f"{title}\n{format_table(results[name], cols)}" for title, name, cols in HEADLINES)
+    notes = partial_notes(results)
+    return "\n".join(notes) + "\n\n" + tables if notes else tables

@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from batchgen.report.svg import box_chart, line_chart
 
-METRIC_NOTE = ("Definitions: ../shared/METRICS.md. TTFT includes queueing. TPOT = (last − first token time) / "
+METRIC_NOTE = ("Definitions: docs/METRICS.md in batchgen. TTFT includes queueing. TPOT = (last − first token time) / "
                "(n_out − 1), vLLM bench's TPOT (genai-perf's ITL). ITL = gaps between a request's consecutive "
                "tokens, pooled over tokens (vLLM bench's ITL). Percentiles are exact (DuckDB quantile_cont).")
 CONDITION_KEYS = ("engine", "model", "dtype", "quantization", "max_num_seqs", "max_model_len", "kv_budget_tokens",
@@ -32,6 +32,13 @@ def table_html(t: pa.Table, max_rows: int = 200) -> str:
     body = "".join("<tr>" + "".join(f"<td>{_cell(r[c])}</td>" for c in t.column_names) + "</tr>" for r in rows)
     more = f"<p class=note>{t.num_rows - max_rows} more rows in the Parquet/CSV file.</p>" if t.num_rows > max_rows else ""
     return f"<table><tr>{head}</tr>{body}</table>{more}"
+
+
+def partial_notes(results: dict[str, pa.Table]) -> list[str]:
+    """One line per unfinished run: reports read committed shards only, and say so."""
+    return [f"run {r['run_id']} is partial — unfinished: {r['shards_committed']} of {r['shards']} shards, "
+            f"{r['rows_committed']} of {r['rows']} rows committed; every figure covers those rows only"
+            for r in results["run_status"].to_pylist() if r["partial"]]
 
 
 def conditions_caption(conditions: pa.Table) -> str:
@@ -81,7 +88,8 @@ def render(results: dict[str, pa.Table], run_dirs: list[str]) -> str:
               ("ITL per step (s; differs from token ITL with speculative decoding)", "itl_per_step"),
               ("Decode step time by batch size", "step_time_by_batch"), ("Runs compared", "run_comparison"),
               ("Run conditions", "run_conditions")]
-    body = [f"<h1>batchgen report</h1><p class=note>{html.escape(', '.join(run_dirs))} — generated "
+    banner = "".join(f"<p class=partial>{html.escape(n)}</p>" for n in partial_notes(results))
+    body = [f"<h1>batchgen report</h1>{banner}<p class=note>{html.escape(', '.join(run_dirs))} — generated "
             f"{time.strftime('%Y-%m-%d %H:%M:%S')}</p><p class=note>{html.escape(METRIC_NOTE)}</p>"]
     for title, svg in charts:
         body.append(f"<section><h2>{html.escape(title)}</h2>{svg}{cond}</section>")
@@ -89,6 +97,7 @@ def render(results: dict[str, pa.Table], run_dirs: list[str]) -> str:
         body.append(f"<section><h2>{html.escape(title)}</h2>{table_html(results[name])}{cond}</section>")
     style = ("body{font-family:sans-serif;margin:24px;max-width:1100px} table{border-collapse:collapse;font-size:12px}"
              "td,th{border:1px solid #ccc;padding:3px 6px;text-align:right} th{background:#f4f4f4}"
+             ".partial{background:#fff3cd;border:1px solid #e0b000;padding:8px;font-weight:bold}"
              ".cond{font-size:11px;color:#555} .note{font-size:12px;color:#555} section{margin-bottom:28px}")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>batchgen report</title>"
             f"<style>{style}</style></head><body>{''.join(body)}</body></html>")

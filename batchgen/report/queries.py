@@ -13,7 +13,7 @@ import pyarrow as pa
 
 SQL_DIR = Path(__file__).resolve().parents[2] / "sql"
 # in dependency order
-QUERIES = ("run_conditions", "throughput", "request_latency", "itl_by_context_concurrency", "itl_by_concurrency",
+QUERIES = ("run_status", "run_conditions", "throughput", "request_latency", "itl_by_context_concurrency", "itl_by_concurrency",
            "itl_per_step",
            "throughput_over_time", "step_timeline", "mbu_over_steps", "step_time_by_batch", "ttft_cdf",
            "run_comparison")
@@ -40,15 +40,20 @@ def connect(run_dirs: list[str | Path], window_s: float | None = None,
     """A connection with the run views (requests, errors, tokens, steps, runs) and every query view."""
     dirs = [str(d).rstrip("/") for d in run_dirs]
     for d in dirs:
-        if not any(ch in d for ch in "*?[") and not (Path(d) / "run.json").is_file():
+        if any(ch in d for ch in "*?["):
+            continue
+        if not (Path(d) / "run.json").is_file():
             raise ReportError(f"{d} is not a run directory (no run.json)")
+        if not any((Path(d) / "_manifests").glob("shard=*.json")):
+            raise ReportError(f"{d}: no shard is committed yet, so there is nothing to report")
     con = duckdb.connect()
     if memory_limit:
         con.execute(f"set memory_limit = {_literal(memory_limit)}")
     con.execute(f"set variable runs = [{', '.join(_literal(d) for d in dirs)}]")
     if window_s is not None:
         con.execute(f"set variable window_s = {float(window_s)!r}")
-    con.execute(load_sql("views"))
+    for statement in duckdb.extract_statements(load_sql("views")):  # in order: a view may need a variable set before
+        con.execute(statement)
     for name in QUERIES:
         con.execute(f"create or replace view {name} as {load_sql(name)}")
     return con

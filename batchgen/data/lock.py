@@ -1,0 +1,234 @@
+"""Leases: the run's lock and the per-shard locks, correct with many takers and across hosts.
+
+A lease is a small JSON file naming its holder (a random token, pid, the pid's start time, host,
+boot id) and a heartbeat. The holder refreshes the heartbeat every `ttl_s / 4` from one daemon thread.
+
+Who may take a lease that exists:
+- same host and boot: only when the holder's process is gone (its pid is dead, or now belongs to a
+  process that started at another time: pid reuse after a restart, including our own pid);
+- another host (a Ray worker on a lost node, a rescheduled pod on shared storage): only when the
+  heartbeat is older than the ttl the holder stated. Hosts' clocks are assumed to agree to well
+  within the ttl (NTP), as in every lease protocol.
+
+Every read-judge-write of a lease file happens under `flock` on a guard file beside it, so a
+takeover is a compare-and-swap: of any number of concurrent takers exactly one wins. The guard is
+never deleted (deleting a flocked file would break the exclusion). An object store gets the same
+compare-and-swap from conditional writes (If-None-Match / If-Match on the ETag).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+import weakref
+from pathlib import Path
+from typing import Any, Iterator
+
+DEFAULT_TTL_S = float(os.environ.get("BATCHGEN_LEASE_TTL_S", "60"))
+
+
+class LockError(RuntimeError):
+    """A lease is held by someone else (the message names the holder and how to recover)."""
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _pid_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat); None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return ""  # exists, unreadable: treat as alive with an unknown start
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _pid_alive(pid: int, start: str | None) -> bool:
+    """Is the process that wrote the lease still running? A reused pid is not it."""
+    if not Path("/proc").is_dir():  # no procfs (macOS): fall back to signal 0
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    now = _pid_start(pid)
+    if now is None:
+        return False
+    return not start or not now or now == start
+
+
+HOST, BOOT_ID = socket.gethostname(), _boot_id()
+
+
+@contextlib.contextmanager
+def _guard(path: Path) -> Iterator[None]:
+    fd = os.open(path.with_name(path.name + ".guard"), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text() or "{}")
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+
+
+def _write(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{doc['token']}")
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Lease:
+    """A lock file that expires unless its holder keeps it alive. Use as a context manager."""
+
+    def __init__(self, path: str | Path, what: str, ttl_s: float = DEFAULT_TTL_S):
+        self.path = Path(path)
+        self.what = what
+        self.ttl_s = ttl_s
+        self.token: str | None = None
+        self.lost = False  # set when a heartbeat finds that someone else holds the lease now
+
+    @property
+    def held(self) -> bool:
+        return self.token is not None and not self.lost
+
+    def _stale_reason(self, holder: dict[str, Any], now: float) -> str | None:
+        """Why the lease in the file can be taken over, or None if its holder may still be alive."""
+        if not holder.get("pid"):
+            return "it is unreadable" if _age(self.path) > 5 else None  # not ours to judge for a moment
+        if holder.get("token") in _HELD:
+            return None  # held by this very process (another part of it): never a second holder
+        if holder.get("host") == HOST and holder.get("boot_id", BOOT_ID) == BOOT_ID:
+            if int(holder["pid"]) == os.getpid():
+                return "it names this process, which does not hold it (pid reuse)"
+            return None if _pid_alive(int(holder["pid"]), holder.get("pid_start")) else "its process is gone"
+        if holder.get("host") == HOST:
+            return "its host has rebooted since"
+        if now - float(holder.get("heartbeat", 0)) > float(holder.get("ttl_s", self.ttl_s)):
+            return "its lease expired"
+        return None
+
+    def acquire(self) -> "Lease":
+        me = {"token": uuid.uuid4().hex, "pid": os.getpid(), "pid_start": _pid_start(os.getpid()), "host": HOST,
+              "boot_id": BOOT_ID, "ttl_s": self.ttl_s}
+        with _guard(self.path):
+            now = time.time()
+            holder = _read(self.path)
+            if holder is not None and self._stale_reason(holder, now) is None:
+                raise LockError(self._refusal(holder, now))
+            _write(self.path, {**me, "since": now, "heartbeat": now})
+        self.token, self.lost = me["token"], False
+        _HELD[self.token] = self
+        _Keeper.ensure_running()
+        return self
+
+    def _refusal(self, holder: dict[str, Any], now: float) -> str:
+        if not holder.get("pid"):
+            return f"{self.what} is being locked by another process right now; try again"
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
+        if holder.get("token") in _HELD:
+            return f"{self.what} is already held by this process (pid {holder['pid']})"
+        msg = f"{self.what} is locked by pid {holder['pid']} on host {holder['host']} (since {since})"
+        if holder.get("host") == HOST:
+            return msg + "; that process is still running: stop it, or wait for it to finish"
+        expires = float(holder.get("heartbeat", 0)) + float(holder.get("ttl_s", self.ttl_s))
+        return (msg + f"; if that process is gone, its lease expires in {max(expires - now, 0):.0f} s "
+                f"(at {time.strftime('%H:%M:%S', time.localtime(expires))}) and a re-run then takes it over; "
+                f"to take it now, delete {self.path}")
+
+    def heartbeat(self) -> bool:
+        """Refresh our heartbeat if the lease is still ours; False (and `lost`) if it is not."""
+        if self.token is None:
+            return False
+        with _guard(self.path):
+            holder = _read(self.path)
+            if not holder or holder.get("token") != self.token:
+                self.lost = True
+                return False
+            _write(self.path, {**holder, "heartbeat": time.time()})
+        return True
+
+    def check(self) -> None:
+        """Raise unless we still hold the lease: the fence before a commit."""
+        if not self.heartbeat():
+            raise LockError(f"{self.what}: our lock was taken over by another process; this attempt stops "
+                            f"without committing")
+
+    def release(self) -> None:
+        """Remove the lease only if it is still ours: never someone else's."""
+        token, self.token = self.token, None
+        if token is None:
+            return
+        _HELD.pop(token, None)
+        with _guard(self.path):
+            holder = _read(self.path)
+            if holder and holder.get("token") == token:
+                self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "Lease":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+_HELD: "weakref.WeakValueDictionary[str, Lease]" = weakref.WeakValueDictionary()
+
+
+class _Keeper:
+    """One daemon thread per process that keeps every held lease alive."""
+
+    _thread: threading.Thread | None = None
+    _pid: int | None = None
+    _wake = threading.Event()  # a new lease may have a shorter ttl than the keeper's current pace
+
+    @classmethod
+    def ensure_running(cls) -> None:
+        cls._wake.set()
+        if cls._thread is not None and cls._thread.is_alive() and cls._pid == os.getpid():
+            return
+        cls._pid = os.getpid()
+        cls._thread = threading.Thread(target=cls._loop, name="batchgen-lease-keeper", daemon=True)
+        cls._thread.start()
+
+    @classmethod
+    def _loop(cls) -> None:
+        while True:
+            cls._wake.clear()
+            leases = list(_HELD.values())
+            interval = min((lease.ttl_s for lease in leases), default=DEFAULT_TTL_S) / 4
+            cls._wake.wait(max(interval, 0.05))
+            for lease in list(_HELD.values()):
+                with contextlib.suppress(OSError):
+                    lease.heartbeat()
