@@ -20,7 +20,14 @@ def _generate_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-model-len", type=int)
-    p.add_argument("--kv-cache-tokens", type=int)
+    p.add_argument("--kv-cache-memory", type=float, metavar="GIB",
+                   help="the paged KV pool's size in GiB (default: 1 on CPU, 90%% of free GPU memory on CUDA)")
+    p.add_argument("--kv-cache-memory-fraction", type=float, help="or: a fraction of the device's free memory")
+    p.add_argument("--kv-cache-tokens", type=int, help="or: a pool of this many token positions")
+    p.add_argument("--block-size", type=int, help="positions per KV block (default 16)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="tokens per step: decode tokens plus prompt chunks (default 4096)")
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int)
@@ -29,6 +36,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"])
     p.add_argument("--shard-size", type=int)
     p.add_argument("--too-long", choices=["error", "truncate"])
     p.add_argument("--vllm-option", action="append", metavar="KEY=VALUE",

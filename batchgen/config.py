@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 DTYPES = ("float32", "bfloat16", "float16")
 TOO_LONG_POLICIES = ("error", "truncate")
 ENGINES = ("native", "vllm")
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 
 
 class ConfigError(ValueError):
@@ -125,30 +126,58 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+CPU_DEFAULT_KV_BYTES = 1 << 30  # on CPU, without a budget: 1 GiB of KV (vLLM's CPU backend takes a fixed space too)
+CUDA_DEFAULT_KV_FRACTION = 0.9  # on CUDA: this fraction of the memory free once the weights are loaded
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine packs work: batch width, KV budget, precision and device."""
+    """How the engine packs work: batch width, KV pool, precision and device."""
 
     max_num_seqs: int = 32
     max_model_len: int = 2048  # positions per sequence (prompt + output)
-    kv_cache_tokens: int | None = None  # admission budget; default max_num_seqs * max_model_len
-    max_num_batched_tokens: int = 4096  # prefill tokens admitted per step
+    kv_cache_memory_gib: float | None = None  # the KV pool's size
+    kv_cache_memory_fraction: float | None = None  # or: this fraction of the device's free memory
+    kv_cache_tokens: int | None = None  # or: a pool of this many token positions
+    block_size: int = 16  # positions per KV block
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 4096  # tokens per step: decode tokens plus chunks of prompts
     dtype: str = "float32"
     device: str = "cpu"
     enable_kv_cache: bool = True  # False recomputes the whole history every step (the lab)
+    attention_backend: str = "auto"  # auto: FlashInfer on CUDA where installed, else the PyTorch path
     seed: int = 0  # run-level seed; requests without their own seed derive one from it and their id
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _require(self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
-        _require(self.kv_cache_tokens is None or self.kv_cache_tokens >= self.max_model_len,
-                 f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one full sequence ({self.max_model_len})")
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _require(self.kv_cache_tokens is None or self.kv_cache_tokens >= 1,
+                 f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
+        _require(self.kv_cache_memory_gib is None or self.kv_cache_memory_gib > 0,
+                 f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
+        _require(self.kv_cache_memory_fraction is None or 0 < self.kv_cache_memory_fraction <= 1,
+                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        _require(sum(x is not None for x in (self.kv_cache_memory_gib, self.kv_cache_memory_fraction,
+                                             self.kv_cache_tokens)) <= 1,
+                 "give one KV pool size: kv_cache_memory, kv_cache_memory_fraction or kv_cache_tokens")
+        _require(1 <= self.block_size <= 1024, f"block_size must be in [1, 1024], got {self.block_size}")
+        _require(self.max_num_batched_tokens >= self.max_num_seqs,
+                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                 f"({self.max_num_seqs}): every running sequence needs a token of each step's budget")
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.attention_backend in ATTENTION_BACKENDS,
+                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 
-    @property
-    def kv_budget_tokens(self) -> int:
-        return self.kv_cache_tokens or self.max_num_seqs * self.max_model_len
+    def kv_pool_bytes(self, bytes_per_token: int, free_bytes: int) -> int:
+        """The KV pool's size in bytes; `free_bytes`: the device's free memory once the weights are in
+        (used only for a fraction; without any budget, CPU takes a fixed 1 GiB and CUDA 90% of it)."""
+        if self.kv_cache_tokens is not None:
+            return self.kv_cache_tokens * bytes_per_token
+        if self.kv_cache_memory_gib is not None:
+            return int(self.kv_cache_memory_gib * (1 << 30))
+        if self.kv_cache_memory_fraction is None and not self.device.startswith("cuda"):
+            return CPU_DEFAULT_KV_BYTES
+        return int(free_bytes * (self.kv_cache_memory_fraction or CUDA_DEFAULT_KV_FRACTION))
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,23 @@ class GenerateSettings(BaseModel):
     ignore_eos: bool = Field(False, title="Ignore EOS")
     max_num_seqs: int = Field(32, ge=1, le=4096, title="Max sequences per decode batch")
     max_model_len: int = Field(2048, ge=16, title="Max positions per sequence")
-    kv_cache_tokens: int | None = Field(None, ge=16, title="KV-cache token budget")
-    max_num_batched_tokens: int = Field(4096, ge=1, title="Max prefill tokens per step")
+    kv_cache_memory: float | None = Field(None, gt=0, title="KV-cache memory (GiB)",
+                                          description="the paged KV pool's size; default 1 GiB on CPU, "
+                                                      "90% of the free GPU memory on CUDA")
+    kv_cache_memory_fraction: float | None = Field(None, gt=0, le=1, title="KV-cache memory (fraction)",
+                                                   description="or: this fraction of the device's free memory")
+    kv_cache_tokens: int | None = Field(None, ge=1, title="KV-cache size (token positions)",
+                                        description="or: a pool of this many token positions")
+    block_size: int = Field(16, ge=1, le=1024, title="KV block size (positions)")
+    enable_prefix_caching: bool = Field(True, title="Prefix caching",
+                                        description="reuse the KV of prompt prefixes that rows share")
+    max_num_batched_tokens: int = Field(4096, ge=1, title="Max tokens per step",
+                                        description="decode tokens plus chunks of prompts, in one forward pass")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", title="Dtype")
     device: str = Field("cpu", title="Device", pattern=r"^(cpu|cuda(:\d+)?)$")
+    attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
+        "auto", title="Attention kernel (native engine)",
+        description="auto: FlashInfer's paged kernel on CUDA where installed, else the PyTorch path")
     shard_size: int = Field(1000, ge=1, title="Rows per shard")
     too_long: Literal["error", "truncate"] = Field("error", title="Prompts longer than the context")
     vllm: dict[str, Any] = Field(default_factory=dict, title="vLLM engine options",
@@ -48,9 +61,12 @@ class GenerateSettings(BaseModel):
             inputs=tuple(self.input), output_dir=self.output, model=self.model, engine=self.engine,
             run_id=self.run_id, shard_size=self.shard_size, too_long=self.too_long,
             engine_config=EngineConfig(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
-                                       kv_cache_tokens=self.kv_cache_tokens,
+                                       kv_cache_memory_gib=self.kv_cache_memory,
+                                       kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+                                       kv_cache_tokens=self.kv_cache_tokens, block_size=self.block_size,
+                                       enable_prefix_caching=self.enable_prefix_caching,
                                        max_num_batched_tokens=self.max_num_batched_tokens, dtype=self.dtype,
-                                       device=self.device, seed=self.seed),
+                                       device=self.device, seed=self.seed, attention_backend=self.attention_backend),
             sampling=SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                                     top_k=self.top_k, stop=tuple(self.stop), ignore_eos=self.ignore_eos),
             engine_options=tuple(sorted(self.vllm.items())), progress=self.progress)

@@ -1,4 +1,5 @@
--- Every engine step: batch size over time, step time, and memory-bandwidth utilisation
+-- Every engine step: batch size over time, step time, prefill tokens, preemptions, prefix-cache hits,
+-- KV blocks in use, and memory-bandwidth utilisation
 -- MBU = bytes_read / step time / the peak read bandwidth measured for the run (METRICS.md).
 with peak as (
     select run_id,
@@ -20,6 +21,11 @@ final as (
         s.num_decode_tokens,
         s.sum_context_len,
         s.bytes_read,
+        s.num_preempted,
+        s.num_cached_tokens,
+        s.num_lookup_tokens,
+        s.kv_blocks_used,
+        s.kv_blocks_total,
         s.bytes_read / nullif(s.end_t - s.start_t, 0) / p.peak_read_bytes_per_s as mbu
     from steps as s
     left join peak as p using (run_id)

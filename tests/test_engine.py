@@ -95,7 +95,7 @@ def test_seeded_sampling_is_reproducible_across_batch_composition(tiny_model_dir
 def test_bad_requests_are_rejected_one_by_one(engine):
     with pytest.raises(RequestRejected, match="empty prompt"):
         engine.add("a", [], SamplingParams())
-    with pytest.raises(RequestRejected, match="max_model_len is 64"):
+    with pytest.raises(RequestRejected, match="leave no room for output within max_model_len 64"):
         engine.add("b", list(range(64)), SamplingParams())
     engine.add("c", [5, 6, 7], SamplingParams(max_tokens=2))
     with pytest.raises(RequestRejected, match="duplicate"):

@@ -22,7 +22,8 @@ def hf_greedy(model_dir, prompts_ids, max_new):
     return outs
 
 
-def engine_greedy(model_dir, prompts_ids, max_new, max_num_seqs, **kw):
+def engine_greedy(model_dir, prompts_ids, max_new, max_num_seqs, stats=None, **kw):
+    kw.setdefault("max_num_batched_tokens", 4096)
     e = NativeEngine(model_dir, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=512, **kw))
     for i, (ids, n) in enumerate(zip(prompts_ids, max_new)):
         e.add(str(i), ids, SamplingParams(max_tokens=n, ignore_eos=True))
@@ -30,6 +31,10 @@ def engine_greedy(model_dir, prompts_ids, max_new, max_num_seqs, **kw):
     while e.has_unfinished():
         r = e.step()
         max_concurrency = max(max_concurrency, r.num_running)
+        if stats is not None:
+            for k in ("num_preempted", "num_cached_tokens", "num_prefill_tokens"):
+                stats[k] = stats.get(k, 0) + getattr(r, k)
+            stats["max_step_tokens"] = max(stats.get("max_step_tokens", 0), r.num_prefill_tokens + r.num_decode_tokens)
         for f in r.finished:
             out[int(f.request_id)] = f.output_token_ids
     return [out[i] for i in range(len(prompts_ids))], max_concurrency
@@ -58,11 +63,56 @@ def test_tiny_model_continuous_batching_matches_hf(tiny_model_dir):
     assert got == ref
 
 
+TINY_PROMPTS = [list(range(100 + 7 * i, 100 + 7 * i + 3 + 5 * i)) for i in range(7)]
+TINY_MAX_NEW = [5, 12, 3, 9, 16, 1, 7]
+
+
+def test_tiny_model_matches_hf_with_preemption_forced_by_a_tiny_pool(tiny_model_dir):
+    ref = hf_greedy(tiny_model_dir, TINY_PROMPTS, TINY_MAX_NEW)
+    stats = {}
+    # 6 blocks of 8 positions: the longest request (33 prompt + 16 new = 49 positions) fits alone,
+    # but never beside the others, so running requests are preempted and recomputed
+    got, _ = engine_greedy(tiny_model_dir, TINY_PROMPTS, TINY_MAX_NEW, max_num_seqs=4, kv_cache_tokens=48,
+                           block_size=8, stats=stats)
+    assert stats["num_preempted"] > 0
+    assert got == ref
+
+
+def test_tiny_model_matches_hf_with_chunked_prefill(tiny_model_dir):
+    ref = hf_greedy(tiny_model_dir, TINY_PROMPTS, TINY_MAX_NEW)
+    stats = {}
+    got, _ = engine_greedy(tiny_model_dir, TINY_PROMPTS, TINY_MAX_NEW, max_num_seqs=3, max_num_batched_tokens=7,
+                           block_size=4, stats=stats)
+    assert stats["max_step_tokens"] <= 7  # prompts of up to 33 tokens went in chunks beside decode tokens
+    assert got == ref
+
+
+def test_tiny_model_matches_hf_with_prefix_cache_hits(tiny_model_dir):
+    system = list(range(1000, 1045))  # a shared 45-token prefix: 5 full blocks of 8
+    prompts = [system + list(range(2000 + 10 * i, 2000 + 10 * i + 2 + i)) for i in range(5)]
+    max_new = [6, 3, 8, 5, 4]
+    ref = hf_greedy(tiny_model_dir, prompts, max_new)
+    stats = {}
+    got, _ = engine_greedy(tiny_model_dir, prompts, max_new, max_num_seqs=1, block_size=8, stats=stats)
+    assert stats["num_cached_tokens"] == 4 * 40  # every row after the first reused 5 cached blocks
+    assert got == ref
+    together = {}  # all five admitted in one step: the later ones read blocks the first writes in that pass
+    got, concurrency = engine_greedy(tiny_model_dir, prompts, max_new, max_num_seqs=5, block_size=8, stats=together)
+    assert concurrency == 5 and together["num_cached_tokens"] == 4 * 40
+    assert got == ref
+    off = {}
+    engine_greedy(tiny_model_dir, prompts, max_new, max_num_seqs=1, block_size=8, stats=off,
+                  enable_prefix_caching=False)
+    assert off["num_cached_tokens"] == 0 and off["num_prefill_tokens"] == stats["num_prefill_tokens"] + 160
+
+
 def test_no_cache_mode_gives_the_cached_tokens(tiny_model_dir):
     prompts = [list(range(200, 211)), list(range(300, 305))]
     cached, _ = engine_greedy(tiny_model_dir, prompts, [10, 6], max_num_seqs=2)
     recomputed, _ = engine_greedy(tiny_model_dir, prompts, [10, 6], max_num_seqs=2, enable_kv_cache=False)
-    assert cached == recomputed
+    chunked, _ = engine_greedy(tiny_model_dir, prompts, [10, 6], max_num_seqs=2, enable_kv_cache=False,
+                               max_num_batched_tokens=4)  # prompt chunks that sample nothing yet
+    assert cached == recomputed == chunked
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +136,11 @@ def test_real_model_greedy_matches_hf_at_batch_1_and_continuous_batching(real_mo
     assert concurrency == 4  # sequences joined and left mid-run
     assert one == ref
     assert many == ref
+    stats = {}
+    packed, _ = engine_greedy(real_model_dir, real_prompt_ids, max_new, max_num_seqs=8, kv_cache_tokens=256,
+                              max_num_batched_tokens=48, stats=stats)
+    assert stats["num_preempted"] > 0 and stats["max_step_tokens"] <= 48
+    assert packed == ref  # preempted, recomputed and chunked, still HF's tokens
 
 
 def test_chat_template_matches_transformers(real_model_dir):

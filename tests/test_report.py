@@ -168,3 +168,20 @@ def test_queries_work_from_plain_duckdb_sql(runs):
     con.execute((SQL_DIR / "views.sql").read_text())
     rows = con.sql((SQL_DIR / "request_latency.sql").read_text()).fetchall()
     assert len(rows) == 5
+
+
+def test_kv_cache_query_sums_the_steps(tmp_path, tiny_model_dir):
+    system = "You are a careful assistant. " * 6
+    inp = write_prompts(tmp_path / "in.parquet", [system + f"question {i}?" for i in range(6)],
+                        ids=[f"p{i}" for i in range(6)])
+    assert main(["generate", "--input", str(inp), "--output", str(tmp_path), "--run-id", "kv", "--model",
+                 str(tiny_model_dir), "--max-tokens", "12", "--max-model-len", "128", "--max-num-seqs", "2",
+                 "--kv-cache-tokens", "96", "--block-size", "8", "--ignore-eos", "--no-progress"]) == 0
+    run = tmp_path / "kv"
+    (row,) = run_query(connect([run]), "kv_cache").to_pylist()
+    steps, req = table(run, "steps"), table(run, "requests")
+    assert row["num_preemptions"] == sum(s["num_preempted"] for s in steps)
+    assert row["requests_preempted"] == sum(1 for r in req if r["num_preemptions"] > 0)
+    assert row["prefix_cached_tokens"] == sum(s["num_cached_tokens"] for s in steps) > 0  # the shared system prompt
+    assert row["prefix_hit_rate"] == pytest.approx(row["prefix_cached_tokens"] / sum(s["num_lookup_tokens"] for s in steps))
+    assert row["peak_kv_blocks_used"] == max(s["kv_blocks_used"] for s in steps) <= row["kv_blocks_total"] == 12

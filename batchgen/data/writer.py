@@ -16,7 +16,7 @@ REQUESTS_SCHEMA = pa.schema([
     ("output_token_ids", pa.list_(pa.int32())), ("text", pa.string()), ("finish_reason", pa.string()),
     ("enqueue_t", F64), ("schedule_t", F64), ("first_token_t", F64), ("last_token_t", F64),
     ("queue_s", F64), ("ttft_s", F64), ("prefill_s", F64), ("tpot_s", F64), ("e2e_s", F64),
-    ("prompt_truncated_from", pa.int32()),
+    ("prompt_truncated_from", pa.int32()), ("num_cached_tokens", pa.int32()), ("num_preemptions", pa.int32()),
 ])
 ERRORS_SCHEMA = pa.schema([("id", pa.string()), ("error", pa.string()), ("stage", pa.string())])
 TOKENS_SCHEMA = pa.schema([
@@ -27,6 +27,8 @@ STEPS_SCHEMA = pa.schema([
     ("step_id", pa.int64()), ("start_t", F64), ("end_t", F64), ("num_running", pa.int32()),
     ("num_waiting", pa.int32()), ("num_prefill_tokens", pa.int32()), ("num_decode_tokens", pa.int32()),
     ("sum_context_len", pa.int64()), ("bytes_read", pa.int64()),
+    ("num_preempted", pa.int32()), ("num_cached_tokens", pa.int32()), ("num_lookup_tokens", pa.int32()),
+    ("kv_blocks_used", pa.int32()), ("kv_blocks_total", pa.int32()),
 ])
 SCHEMAS = {"requests": REQUESTS_SCHEMA, "errors": ERRORS_SCHEMA, "tokens": TOKENS_SCHEMA, "steps": STEPS_SCHEMA}
 
@@ -101,6 +103,8 @@ class ShardWriter:
         q["tpot_s"].append((f.last_token_t - f.first_token_t) / (n_out - 1) if n_out >= 2 else None)
         q["e2e_s"].append(f.last_token_t - f.enqueue_t)
         q["prompt_truncated_from"].append(self.truncated.pop(f.request_id, None))
+        q["num_cached_tokens"].append(f.num_cached_tokens)
+        q["num_preemptions"].append(f.num_preemptions)
         self._last_t.pop(f.request_id, None)
 
     def tables(self) -> dict[str, pa.Table]:

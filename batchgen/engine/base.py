@@ -38,6 +38,8 @@ class FinishedRequest:
     schedule_t: float
     first_token_t: float
     last_token_t: float
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache (None: not reported)
+    num_preemptions: int | None = None
 
 
 @dataclass
@@ -51,6 +53,11 @@ class StepResult:
     num_decode_tokens: int
     sum_context_len: int
     bytes_read: int  # METRICS.md estimate: weights touched + KV read
+    num_preempted: int | None = None  # requests preempted this step (None where the engine does not say)
+    num_cached_tokens: int | None = None  # prompt tokens of this step's admissions served by the prefix cache
+    num_lookup_tokens: int | None = None  # prompt tokens of this step's admissions looked up in it
+    kv_blocks_used: int | None = None  # KV pool occupancy after the step
+    kv_blocks_total: int | None = None
     # one entry per token produced in this step (parallel lists: cheap to build, cheap to append)
     token_request_ids: list[str] = field(default_factory=list)
     token_indices: list[int] = field(default_factory=list)

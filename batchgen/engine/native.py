@@ -1,9 +1,9 @@
-"""NativeEngine = scheduler + model + KV cache + sampler, in pure PyTorch (CPU or CUDA).
+"""NativeEngine: scheduler + block manager + model runner, in pure PyTorch (CPU or CUDA).
 
-A step: schedule -> decode the running rows (one token each, K/V from the cache) -> prefill the
-requests admitted this step -> one host sync for all sampled tokens -> bookkeeping.
-Per-slot state (newest token, position, sampling parameters, output counter) lives in small
-device tensors allocated once, so a decode step uploads nothing and syncs once.
+The engine only orchestrates (nano-vllm's seams): the scheduler (pure Python) picks each step's
+chunks under the token budget and the KV pool, the block manager (pure Python) owns the block
+tables and the prefix cache, and the model runner owns the device tensors and runs one forward pass
+over the step, with one host sync. Bookkeeping after the step (stops, timings, events) is host-side.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ import torch
 
 import batchgen
 from batchgen.config import EngineConfig, SamplingParams
+from batchgen.engine.attention import select_backend
 from batchgen.engine.base import Engine, FinishedRequest, RequestRejected, StepResult, monotonic_clock
-from batchgen.engine.kv_cache import KVCache
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.kv_cache import PagedKVCache, free_memory_bytes
+from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.request import Request
-from batchgen.engine.sampler import Sampler
-from batchgen.faults import fail_if_poisoned, fault_requests_active
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen.faults import fail_if_poisoned, fault_requests_active
 from batchgen.model.loader import DTYPES, load_model, read_model_config
 from batchgen.model.tokenizer import Tokenizer
 
@@ -39,47 +41,47 @@ class NativeEngine(Engine):
                  clock: Callable[[], float] | None = None):
         self.config = config
         self.model_dir = Path(model_dir)
-        model_config = read_model_config(model_dir)
-        self.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
+        c = read_model_config(model_dir)
+        self.max_model_len = min(config.max_model_len, c.max_position_embeddings)
         self.model = load_model(model_dir, config.dtype, config.device, max_positions=self.max_model_len)
         self.tokenizer = Tokenizer(model_dir)
-        self.eos_token_ids = set(model_config.eos_token_ids)
+        self.eos_token_ids = set(c.eos_token_ids)
         self.clock = clock or monotonic_clock()
-        dev, slots = config.device, config.max_num_seqs
-        c = model_config
-        self.kv = (KVCache(c.num_layers, slots, self.max_model_len, c.num_kv_heads, c.head_dim,
-                           DTYPES[config.dtype], dev) if config.enable_kv_cache else None)
-        self.scheduler = Scheduler(slots, self.max_model_len, config.kv_budget_tokens, config.max_num_batched_tokens)
-        self.sampler = Sampler(c.vocab_size, dev)
-        i64 = dict(dtype=torch.int64, device=dev)
-        self.slot_token = torch.zeros(slots, **i64)  # newest token of the slot's sequence
-        self.slot_pos = torch.zeros(slots, **i64)  # the position that token will occupy
-        self.slot_count = torch.zeros(slots, **i64)  # output tokens so far (the sampler's counter)
-        self.slot_seed = torch.zeros(slots, **i64)
-        self.slot_top_k = torch.zeros(slots, **i64)
-        self.slot_temp = torch.zeros(slots, dtype=torch.float32, device=dev)
-        self.slot_top_p = torch.ones(slots, dtype=torch.float32, device=dev)
-        self.rows = torch.arange(slots, **i64)
-        self.key_pos = torch.arange(self.max_model_len, **i64)
-        self.kv_bytes_per_token = c.kv_bytes_per_token(torch.finfo(DTYPES[config.dtype]).bits // 8)
-        self.row_embed_bytes = c.hidden_size * (torch.finfo(DTYPES[config.dtype]).bits // 8)
-        self.num_computed_positions = 0  # positions run through the model (the lab's count)
+        bpe = torch.finfo(DTYPES[config.dtype]).bits // 8
+        self.kv_bytes_per_token = c.kv_bytes_per_token(bpe)
+        self.row_embed_bytes = c.hidden_size * bpe
+        bs = config.block_size
+        block_bytes = PagedKVCache.block_bytes(c.num_layers, bs, c.num_kv_heads, c.head_dim, bpe)
+        pool_bytes = config.kv_pool_bytes(self.kv_bytes_per_token, free_memory_bytes(config.device))
+        most_useful = config.max_num_seqs * -(-self.max_model_len // bs)  # more could never be used at once
+        num_blocks = max(1, min(pool_bytes // block_bytes, most_useful))
+        self.blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching and config.enable_kv_cache)
+        attention = select_backend(config.device, config.attention_backend) if config.enable_kv_cache else None
+        kv = (PagedKVCache(c.num_layers, num_blocks, bs, c.num_kv_heads, c.head_dim, DTYPES[config.dtype],
+                           config.device, attention.kv_layout) if attention else None)
+        self.runner = ModelRunner(self.model, kv, attention, c.vocab_size, config.device)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens)
         self._step_id = 0
         self._ids: set[str] = set()
+
+    @property
+    def num_computed_positions(self) -> int:
+        """Positions run through the model (the lab's count)."""
+        return self.runner.num_computed_positions
 
     # ---- the interface -------------------------------------------------------------------------
 
     def add(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         if not prompt_token_ids:
             raise RequestRejected("empty prompt: no tokens to condition on")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise RequestRejected(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len} "
-                                  f"and at least one output token must fit")
         if request_id in self._ids:
             raise RequestRejected(f"duplicate request id {request_id!r}")
-        self._ids.add(request_id)
         seed = sampling.seed if sampling.seed is not None else derive_seed(self.config.seed, request_id)
-        self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, seed, enqueue_t=self.clock()))
+        try:
+            self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, seed, enqueue_t=self.clock()))
+        except ValueError as e:
+            raise RequestRejected(str(e)) from None
+        self._ids.add(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -92,102 +94,45 @@ class NativeEngine(Engine):
         start_t = self.clock()
         sched = self.scheduler.schedule()
         if fault_requests_active():
-            fail_if_poisoned([r.request_id for r in sched.prefill + sched.decode])
-        parts: list[torch.Tensor] = []
-        num_passes = 0
-        if sched.decode:
-            parts.append(self._decode(sched.decode))
-            num_passes += 1
-        if sched.prefill:
-            parts.append(self._prefill(sched.prefill))
-            num_passes += 1
-        sampled = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()  # the one host sync
+            fail_if_poisoned([c.request.request_id for c in sched.chunks])
+        sampled = self.runner.execute(sched.chunks)  # one host sync
         end_t = self.clock()
-        return self._postprocess(sched, sampled, start_t, end_t, num_passes)
+        return self._postprocess(sched, sampled, start_t, end_t)
 
     def conditions(self) -> dict[str, Any]:
-        c = self.config
+        c, kv = self.config, self.runner.kv
         return {
             "engine": self.name, "engine_version": batchgen.__version__, "torch_version": torch.__version__,
             "dtype": c.dtype, "quantization": None, "device": c.device, "torch_threads": torch.get_num_threads(),
             "max_num_seqs": c.max_num_seqs, "max_model_len": self.max_model_len,
-            "kv_budget_tokens": c.kv_budget_tokens, "max_num_batched_tokens": c.max_num_batched_tokens,
-            "kv_cache_bytes": self.kv.nbytes if self.kv else 0, "enable_kv_cache": c.enable_kv_cache,
+            "kv_budget_tokens": self.blocks.num_blocks * self.blocks.block_size, "kv_block_size": self.blocks.block_size,
+            "kv_num_blocks": self.blocks.num_blocks, "kv_cache_bytes": kv.nbytes if kv else 0,
+            "enable_prefix_caching": self.blocks.enable_prefix_caching,
+            "max_num_batched_tokens": c.max_num_batched_tokens, "enable_kv_cache": c.enable_kv_cache,
+            "attention_backend": self.runner.attention.name if self.runner.attention else "none (recompute)",
             "weight_bytes": self.model.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
             "speculative": None,
         }
 
-    # ---- forward passes ------------------------------------------------------------------------
-
-    def _sample(self, logits: torch.Tensor, rows: torch.Tensor | slice, reqs: list[Request]) -> torch.Tensor:
-        all_greedy = all(r.sampling.greedy for r in reqs)
-        use_top = any(r.sampling.top_k > 0 or r.sampling.top_p < 1.0 for r in reqs if not r.sampling.greedy)
-        return self.sampler(logits, self.slot_temp[rows], self.slot_top_p[rows], self.slot_top_k[rows],
-                            self.slot_seed[rows], self.slot_count[rows], all_greedy, use_top)
-
-    def _decode(self, reqs: list[Request]) -> torch.Tensor:
-        """One token for every running row 0..hi-1 (free rows in between compute harmlessly)."""
-        hi = max(r.slot for r in reqs) + 1
-        attn_len = max(r.num_tokens for r in reqs)  # S: positions 0..newest
-        pos = self.slot_pos[:hi]
-        if self.kv is not None:
-            bias = torch.zeros(hi, attn_len, dtype=self.model.dtype, device=pos.device)
-            bias.masked_fill_(self.key_pos[None, :attn_len] > pos[:, None], float("-inf"))
-            logits = self.model.decode(self.slot_token[:hi], pos, self.rows[:hi], self.kv, attn_len,
-                                       bias.view(hi, 1, 1, attn_len))
-            self.num_computed_positions += len(reqs)
-        else:  # recompute the whole history of every row (the lab's baseline)
-            seqs = [[0] for _ in range(hi)]
-            for r in reqs:
-                seqs[r.slot] = r.prompt_token_ids + r.output_token_ids
-            logits = self._full_forward(seqs)
-            self.num_computed_positions += sum(r.num_tokens for r in reqs)
-        tokens = self._sample(logits, slice(0, hi), reqs)
-        self.slot_token[:hi] = tokens
-        self.slot_pos[:hi].add_(1).clamp_(max=self.max_model_len - 1)  # free rows must stay in bounds
-        self.slot_count[:hi] += 1
-        return tokens
-
-    def _prefill(self, reqs: list[Request]) -> torch.Tensor:
-        dev = self.slot_pos.device
-        slots = torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=dev)
-        s = [r.sampling for r in reqs]
-        self.slot_temp[slots] = torch.tensor([float(x.temperature) for x in s], device=dev)
-        self.slot_top_p[slots] = torch.tensor([float(x.top_p) for x in s], device=dev)
-        self.slot_top_k[slots] = torch.tensor([x.top_k for x in s], dtype=torch.int64, device=dev)
-        self.slot_seed[slots] = torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev)
-        self.slot_count[slots] = 0
-        logits = self._full_forward([r.prompt_token_ids for r in reqs], slots if self.kv is not None else None)
-        self.num_computed_positions += sum(r.num_prompt_tokens for r in reqs)
-        tokens = self._sample(logits, slots, reqs)
-        self.slot_token[slots] = tokens
-        self.slot_pos[slots] = torch.tensor([r.num_prompt_tokens for r in reqs], dtype=torch.int64, device=dev)
-        self.slot_count[slots] = 1
-        return tokens
-
-    def _full_forward(self, seqs: list[list[int]], slots: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal forward over right-padded sequences; returns logits at each one's last token."""
-        width = max(len(x) for x in seqs)
-        dev = self.slot_pos.device
-        tokens = torch.tensor([x + [0] * (width - len(x)) for x in seqs], dtype=torch.int64, device=dev)
-        last = torch.tensor([len(x) - 1 for x in seqs], dtype=torch.int64, device=dev)
-        return self.model.prefill(tokens, last, self.kv if slots is not None else None, slots)
-
     # ---- bookkeeping (host side) ---------------------------------------------------------------
 
-    def _postprocess(self, sched: SchedulerOutput, sampled: list[int], start_t: float, end_t: float,
-                     num_passes: int) -> StepResult:
+    def _postprocess(self, sched: SchedulerOutput, sampled: list[int], start_t: float, end_t: float) -> StepResult:
         self._step_id += 1
-        hi = max((r.slot for r in sched.decode), default=-1) + 1
         res = StepResult(step_id=self._step_id, start_t=start_t, end_t=end_t, num_running=sched.num_running,
-                         num_waiting=sched.num_waiting, num_prefill_tokens=sched.num_prefill_tokens,
-                         num_decode_tokens=len(sched.decode), sum_context_len=0, bytes_read=0)
-        pairs = [(r, sampled[r.slot]) for r in sched.decode]
-        pairs += [(r, sampled[hi + i]) for i, r in enumerate(sched.prefill)]
-        for r in sched.prefill:
-            r.schedule_t = start_t
+                         num_waiting=sched.num_waiting,
+                         num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
+                         sum_context_len=0, bytes_read=0, num_preempted=len(sched.preempted),
+                         num_cached_tokens=sched.num_cached_tokens, num_lookup_tokens=sched.num_lookup_tokens)
+        samples = iter(sampled)
         sum_ctx = 0
-        for r, tok in pairs:
+        for chunk in sched.chunks:
+            r = chunk.request
+            if r.schedule_t is None:
+                r.schedule_t = start_t
+            self.scheduler.computed(chunk)
+            if not chunk.samples:
+                continue  # a prompt chunk short of the end: no token yet
+            tok = next(samples)
             context_len = r.num_tokens  # prompt + outputs before this token
             sum_ctx += context_len
             res.token_request_ids.append(r.request_id)
@@ -203,7 +148,9 @@ class NativeEngine(Engine):
                 self._ids.discard(r.request_id)
                 res.finished.append(self._finished(r))
         res.sum_context_len = sum_ctx
-        res.bytes_read = (num_passes * self.model.weight_bytes + len(pairs) * self.row_embed_bytes
+        res.kv_blocks_used, res.kv_blocks_total = self.blocks.num_used_blocks, self.blocks.num_blocks
+        num_tokens = sum(c.num_tokens for c in sched.chunks)
+        res.bytes_read = ((self.model.weight_bytes if sched.chunks else 0) + num_tokens * self.row_embed_bytes
                           + self.kv_bytes_per_token * sum_ctx)
         return res
 
@@ -227,4 +174,5 @@ class NativeEngine(Engine):
             if cut >= 0:
                 text = text[:cut]  # like vLLM, the stop string itself is not part of the output
         return FinishedRequest(r.request_id, r.num_prompt_tokens, r.output_token_ids, text, r.finish_reason,
-                               r.enqueue_t, r.schedule_t, r.first_token_t, r.last_token_t)
+                               r.enqueue_t, r.schedule_t, r.first_token_t, r.last_token_t,
+                               num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions)

@@ -1,98 +1,154 @@
-"""Continuous-batching scheduler: pure Python, no torch.
+"""Continuous batching with chunked prefill and preemption: pure Python, no torch (vLLM v1's shape).
 
-Each step it admits waiting requests into free KV-cache slots while the KV token budget and the
-per-step prefill token budget allow, longest prompt first (so a step's prefill batch pads little
-and the run's tail is made of short requests). Admission reserves a request's worst case
-(prompt + max_tokens, capped by max_model_len), so a running sequence never runs out of cache
-and nothing is ever preempted.
+Each step has a token budget, `max_num_batched_tokens`, spent in one forward pass:
+1. the running requests first, oldest first: a decoding request takes one token, a request still
+   prefilling takes the next chunk of its prompt. If the pool has no block for a request's next
+   tokens, the newest running request is preempted (its blocks freed, itself put back at the front
+   of the queue, recomputed later from its prompt and the tokens it already produced) until it has.
+2. then waiting requests, first come first served, while the budget, `max_num_seqs` and the pool
+   allow: each takes its longest cached prefix from the prefix cache, then blocks for the chunk it
+   computes now. Admission asks for the blocks needed now, never for the worst case.
+A long prompt therefore never stalls decoding for longer than one step's budget.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
+from collections import deque
 from dataclasses import dataclass, field
 
+from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.request import Request, RequestStatus
 
 
 @dataclass
-class SchedulerOutput:
-    prefill: list[Request] = field(default_factory=list)  # admitted this step, slot assigned, no KV yet
-    decode: list[Request] = field(default_factory=list)  # running, each feeds its newest token
-    num_waiting: int = 0  # still waiting after this step's admissions
+class Chunk:
+    """The tokens of one request computed in this step: positions start .. start + num_tokens - 1."""
+
+    request: Request
+    start: int
+    num_tokens: int
 
     @property
-    def num_prefill_tokens(self) -> int:
-        return sum(r.num_prompt_tokens for r in self.prefill)
+    def samples(self) -> bool:
+        """The chunk reaches the request's newest token, so its logits give the next token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start >= self.request.num_prompt_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[Chunk] = field(default_factory=list)  # running requests first, then the admitted ones
+    preempted: list[Request] = field(default_factory=list)  # back in the queue; their blocks are freed
+    num_waiting: int = 0  # still waiting after this step's admissions
+    num_lookup_tokens: int = 0  # tokens of the requests admitted this step, looked up in the prefix cache
+    num_cached_tokens: int = 0  # of those, served by cached blocks (not computed)
 
     @property
     def num_running(self) -> int:
-        return len(self.prefill) + len(self.decode)
+        return len(self.chunks)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for c in self.chunks if c.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks if not c.is_decode)
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_model_len: int, kv_budget_tokens: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int):
+        self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.kv_budget_tokens = kv_budget_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
-        self._waiting: list[tuple[int, int, Request]] = []  # heap of (-prompt_len, arrival, request)
-        self._arrival = itertools.count()
-        self.running: list[Request] = []
-        self._free_slots = list(range(max_num_seqs))  # a heap: the lowest slot first keeps rows dense
-        self.kv_reserved_tokens = 0
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the newest is preempted first
 
     def add(self, request: Request) -> None:
-        need = request.max_total_tokens(self.max_model_len)
-        if request.num_prompt_tokens >= self.max_model_len or need > self.kv_budget_tokens:
-            raise ValueError(f"request {request.request_id}: {request.num_prompt_tokens} prompt tokens do not fit "
-                             f"max_model_len {self.max_model_len} / KV budget {self.kv_budget_tokens}")
-        heapq.heappush(self._waiting, (-request.num_prompt_tokens, next(self._arrival), request))
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"request {request.request_id}: {request.num_prompt_tokens} prompt tokens leave no room "
+                             f"for output within max_model_len {self.max_model_len}")
+        need = self.blocks.blocks_for(request.max_total_tokens(self.max_model_len))
+        if need > self.blocks.num_blocks:  # it could never finish, even alone in the pool
+            raise ValueError(f"request {request.request_id}: needs {need} KV blocks at most, the pool has "
+                             f"{self.blocks.num_blocks}; raise --kv-cache-memory or lower max_tokens")
+        self.waiting.append(request)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self.running)
-
-    @property
-    def max_active_slot(self) -> int:
-        return max((r.slot for r in self.running), default=-1)
+        return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(decode=list(self.running))
-        prefill_tokens = 0
-        while self._waiting and self._free_slots:
-            req = self._waiting[0][2]
-            need = req.max_total_tokens(self.max_model_len)
-            if self.kv_reserved_tokens + need > self.kv_budget_tokens:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.blocks.allocate_slots(req, n):
+                victim = self.running.pop()  # the newest; never one already scheduled this step
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.chunks.append(Chunk(req, req.num_computed_tokens, n))
+                self.blocks.cache_full_blocks(req, req.num_computed_tokens + n)
+                budget -= n
+                i += 1
+                continue
+            break
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            computed = self.blocks.computed_blocks(req)
+            num_cached = len(computed) * self.blocks.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.blocks.allocate_slots(req, n, computed):
                 break
-            if out.prefill and prefill_tokens + req.num_prompt_tokens > self.max_num_batched_tokens:
-                break  # the first admission of a step always goes, however long
-            heapq.heappop(self._waiting)
-            req.slot = heapq.heappop(self._free_slots)
+            self.waiting.popleft()
             req.status = RequestStatus.RUNNING
-            self.kv_reserved_tokens += need
-            prefill_tokens += req.num_prompt_tokens
-            out.prefill.append(req)
-        self.running.extend(out.prefill)
-        out.num_waiting = len(self._waiting)
+            req.num_computed_tokens = num_cached
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_cached
+            self.running.append(req)
+            out.chunks.append(Chunk(req, num_cached, n))
+            self.blocks.cache_full_blocks(req, num_cached + n)
+            out.num_lookup_tokens += req.num_tokens
+            out.num_cached_tokens += num_cached
+            budget -= n
+        out.num_waiting = len(self.waiting)
         return out
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def computed(self, chunk: Chunk) -> None:
+        """After the step: the chunk's K/V is in the cache."""
+        chunk.request.num_computed_tokens += chunk.num_tokens
 
     def finish(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.running.remove(request)
-        heapq.heappush(self._free_slots, request.slot)
-        self.kv_reserved_tokens -= request.max_total_tokens(self.max_model_len)
+        self.blocks.free(request)
 
     def abort_all(self) -> list[Request]:
-        """Forget every unfinished request and free all slots and reservations."""
-        dropped = [r for _, _, r in self._waiting] + self.running
-        self._waiting.clear()
+        """Forget every unfinished request and give back all its blocks."""
+        dropped = list(self.waiting) + self.running
+        for req in self.running:
+            self.blocks.free(req)
+        self.blocks.reset_prefix_cache()  # a failed step may have keyed blocks it never wrote
+        self.waiting.clear()
         self.running = []
-        self._free_slots = list(range(self.max_num_seqs))
-        self.kv_reserved_tokens = 0
         return dropped

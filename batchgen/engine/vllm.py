@@ -15,6 +15,7 @@ from typing import Any, Callable
 import batchgen
 from batchgen.config import EngineConfig, SamplingParams
 from batchgen.engine.base import Engine, EngineDead, FinishedRequest, RequestRejected, StepResult, monotonic_clock
+from batchgen.engine.kv_cache import free_memory_bytes
 from batchgen.model.loader import count_decode_weight_elements, read_model_config
 from batchgen.model.tokenizer import Tokenizer
 
@@ -38,6 +39,10 @@ class _StepStats:
         self.num_waiting = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_preempted = 0
+        self.prefix_queries = 0  # tokens looked up in vLLM's prefix cache
+        self.prefix_hits = 0
+        self.kv_usage = None  # fraction of the KV pool in use
 
 
 def _stat_logger_factory(holder: _StepStats):
@@ -51,9 +56,15 @@ def _stat_logger_factory(holder: _StepStats):
             if scheduler_stats is not None:
                 holder.num_running = scheduler_stats.num_running_reqs
                 holder.num_waiting = scheduler_stats.num_waiting_reqs
+                holder.kv_usage = getattr(scheduler_stats, "kv_cache_usage", None)
+                prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
+                if prefix is not None:
+                    holder.prefix_queries += getattr(prefix, "queries", 0)
+                    holder.prefix_hits += getattr(prefix, "hits", 0)
             if iteration_stats is not None:
                 holder.num_prompt_tokens += iteration_stats.num_prompt_tokens
                 holder.num_generation_tokens += iteration_stats.num_generation_tokens
+                holder.num_preempted += getattr(iteration_stats, "num_preempted_reqs", 0)
 
         def log_engine_initialized(self):
             pass
@@ -97,9 +108,17 @@ class VllmEngine(Engine):
         options.setdefault("max_num_batched_tokens", max(config.max_num_batched_tokens, self.max_model_len))
         bpe = BYTES[config.dtype]
         self.kv_bytes_per_token = model_config.kv_bytes_per_token(bpe)
-        if on_cpu:  # size vLLM's cache from our KV budget, not from a fraction of the machine's RAM
-            options.setdefault("kv_cache_memory_bytes", config.kv_budget_tokens * self.kv_bytes_per_token)
+        # the same KV memory as the native engine: an explicit budget, or (CPU) the same fixed default;
+        # on CUDA without a budget, vLLM's own gpu_memory_utilization sizes it
+        explicit = config.kv_cache_memory_gib is not None or config.kv_cache_tokens is not None
+        if explicit or on_cpu:
+            free = free_memory_bytes(config.device) if on_cpu else 0
+            options.setdefault("kv_cache_memory_bytes", config.kv_pool_bytes(self.kv_bytes_per_token, free))
+        if config.kv_cache_memory_fraction is not None and not on_cpu:
+            options.setdefault("gpu_memory_utilization", config.kv_cache_memory_fraction)
+        elif on_cpu:
             options.setdefault("gpu_memory_utilization", 0.5)
+        options.setdefault("enable_prefix_caching", config.enable_prefix_caching)
         self.options = options
         self._stats = _StepStats()
         args = EngineArgs(model=str(model_dir), tokenizer=str(model_dir), dtype=config.dtype,
@@ -171,6 +190,7 @@ class VllmEngine(Engine):
     def step(self) -> StepResult:
         stats = self._stats
         prompt_before, gen_before = stats.num_prompt_tokens, stats.num_generation_tokens
+        before = (stats.num_preempted, stats.prefix_queries, stats.prefix_hits)
         start_t = self.clock()
         if self._core_dead():
             raise EngineDied("vLLM's engine core died; the shard fails and is redone on retry or resume")
@@ -218,6 +238,9 @@ class VllmEngine(Engine):
         res.num_running = stats.num_running or len({r for r in res.token_request_ids})
         res.num_waiting = stats.num_waiting
         res.num_decode_tokens = max(stats.num_generation_tokens - gen_before, 0)
+        res.num_preempted = stats.num_preempted - before[0]
+        res.num_lookup_tokens = stats.prefix_queries - before[1]
+        res.num_cached_tokens = stats.prefix_hits - before[2]
         res.bytes_read = (self.weight_bytes if num_tokens or res.num_prefill_tokens else 0) + \
             num_tokens * self.row_embed_bytes + self.kv_bytes_per_token * res.sum_context_len
         return res
@@ -245,7 +268,10 @@ class VllmEngine(Engine):
             "engine": self.name, "engine_version": self._vllm_version, "batchgen_version": batchgen.__version__,
             "dtype": c.dtype, "quantization": self.options.get("quantization"), "device": c.device,
             "max_num_seqs": c.max_num_seqs, "max_model_len": self.max_model_len,
-            "kv_budget_tokens": c.kv_budget_tokens, "max_num_batched_tokens": self.options["max_num_batched_tokens"],
+            "kv_budget_tokens": (self.options["kv_cache_memory_bytes"] // self.kv_bytes_per_token
+                                 if "kv_cache_memory_bytes" in self.options else None),
+            "enable_prefix_caching": self.options.get("enable_prefix_caching"),
+            "max_num_batched_tokens": self.options["max_num_batched_tokens"],
             "weight_bytes": self.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
             "speculative": self.options.get("speculative_config"), "vllm_options": self.options,
         }

@@ -1,7 +1,7 @@
 """The Llama-family forward pass (Llama, SmolLM, Mistral-style, Qwen2 with q/k/v bias), written for decode.
 
-Shapes: N = sequences in a prefill batch, P = padded prompt length, B = rows in a decode batch
-(one per KV-cache slot 0..B-1), S = attended positions, H/Hkv = query/KV heads, D = head_dim,
+Shapes: T = tokens of a step (every sequence's chunk side by side), N = sequences in a padded batch
+(the no-cache path), P = its padded length, H/Hkv = query/KV heads, G = H / Hkv, D = head_dim,
 E = hidden size, V = vocab. Weights are fused at load (qkv, gate_up) so a layer is four matmuls.
 """
 
@@ -84,65 +84,51 @@ class LlamaModel:
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(rms_norm(h, self.norm, self.config.rms_norm_eps), self.lm_head).float()
 
-    # ---- prefill: whole prompts, causal attention, optional cache write ----------------------
+    # ---- the step: every scheduled chunk's tokens side by side, K/V in the paged cache ------------
 
     @torch.inference_mode()
-    def prefill(self, tokens: torch.Tensor, last_idx: torch.Tensor, kv=None, slots: torch.Tensor | None = None):
-        """tokens [N, P] right-padded; last_idx [N] index of each row's last real token.
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, block_idx: torch.Tensor,
+                offset: torch.Tensor, attention, meta, logits_idx: torch.Tensor) -> torch.Tensor:
+        """tokens, positions, block_idx, offset: [T] (a token's K/V goes to slot `offset` of block
+        `block_idx`); `attention(q, k_cache, v_cache, meta, scale)` reads the paged cache.
+        Returns logits [R, V] at the tokens `logits_idx` [R]."""
+        c = self.config
+        T, Hkv, G, D = tokens.shape[0], c.num_kv_heads, self.group, c.head_dim
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, D]
+        h = self.embed[tokens]  # [T, E]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, h)
+            q = q.view(T, c.num_heads, D)
+            k = k.view(T, Hkv, D)
+            v = v.view(T, Hkv, D)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            kv.write(i, block_idx, offset, k, v)  # first, so a chunk's queries see their own keys
+            k_cache, v_cache = kv.layer(i)
+            o = attention(q.view(T, Hkv, G, D), k_cache, v_cache, meta, self.scale)  # [T, Hkv, G, D]
+            h = h + F.linear(o.reshape(T, self.q_size), layer.o)
+            h = self._mlp(layer, h)
+        return self._logits(h[logits_idx])
 
-        Writes K/V for positions 0..P-1 into `kv` rows `slots` (padding writes are never read:
-        a row attends only up to its own length). Returns logits [N, V] at last_idx.
-        """
+    # ---- no cache: whole sequences, causal attention (the lab's recompute baseline) -------------
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, last_idx: torch.Tensor) -> torch.Tensor:
+        """tokens [N, P] right-padded; last_idx [N] index of each row's last real token.
+        Returns logits [N, V] at last_idx."""
         c = self.config
         N, P = tokens.shape
         cos, sin = self.cos[:P], self.sin[:P]  # [P, D]
         h = self.embed[tokens]  # [N, P, E]
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             q, k, v = self._qkv(layer, h)
             q = q.view(N, P, c.num_heads, c.head_dim).transpose(1, 2)  # [N, H, P, D]
             k = k.view(N, P, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [N, Hkv, P, D]
             v = v.view(N, P, c.num_kv_heads, c.head_dim).transpose(1, 2)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            if kv is not None:
-                kv.k[i][slots, :, :P] = k
-                kv.v[i][slots, :, :P] = v
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.group > 1)
             h = h + F.linear(o.transpose(1, 2).reshape(N, P, self.q_size), layer.o)
             h = self._mlp(layer, h)
         h_last = h[torch.arange(N, device=h.device), last_idx]  # [N, E]
         return self._logits(h_last)
-
-    # ---- decode: one new token per row, K/V read from the cache --------------------------------
-
-    @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, kv, attn_len: int,
-               attn_bias: torch.Tensor) -> torch.Tensor:
-        """tokens, positions, rows: [B] (row b is KV slot b); attn_len S = max(positions) + 1;
-        attn_bias [B, 1, 1, S]: 0 where a key position is <= the row's position, -inf elsewhere.
-        Appends each row's K/V at its position and returns logits [B, V]."""
-        c = self.config
-        B, S, Hkv, G, D = tokens.shape[0], attn_len, c.num_kv_heads, self.group, c.head_dim
-        cos, sin = self.cos[positions], self.sin[positions]  # [B, D]
-        cos_q, sin_q = cos[:, None, None, :], sin[:, None, None, :]
-        cos_k, sin_k = cos[:, None, :], sin[:, None, :]
-        h = self.embed[tokens]  # [B, E]
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, h)
-            q = q.view(B, Hkv, G, D)  # query heads grouped by their KV head
-            k = k.view(B, Hkv, D)
-            v = v.view(B, Hkv, D)
-            q = q * cos_q + rotate_half(q) * sin_q
-            k = k * cos_k + rotate_half(k) * sin_k
-            k_cache, v_cache = kv.k[i], kv.v[i]  # [slots, Hkv, S_max, D]
-            k_cache[rows, :, positions] = k
-            v_cache[rows, :, positions] = v
-            keys = k_cache[:B, :, :S]  # [B, Hkv, S, D], a view
-            values = v_cache[:B, :, :S]
-            scores = torch.matmul(q, keys.transpose(-1, -2))  # [B, Hkv, G, S]
-            scores.mul_(self.scale).add_(attn_bias)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            o = torch.matmul(probs, values)  # [B, Hkv, G, D]
-            h = h + F.linear(o.reshape(B, self.q_size), layer.o)
-            h = self._mlp(layer, h)
-        return self._logits(h)

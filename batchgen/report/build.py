@@ -50,6 +50,8 @@ HEADLINES = (
                                                 "p99_s", "max_s"]),
     ("ITL by concurrency (s, pooled over tokens)", "itl_by_concurrency",
      ["run_id", "concurrency_lo", "concurrency_hi", "n", "mean_s", "p50_s", "p95_s", "p99_s"]),
+    ("KV cache", "kv_cache", ["run_id", "num_preemptions", "requests_preempted", "prefix_hit_rate",
+                              "prefill_tokens_computed", "peak_running", "peak_kv_usage"]),
     ("Run conditions", "run_conditions", ["run_id", "engine", "model", "dtype", "max_num_seqs", "max_model_len",
                                           "temperature", "device_name", "cpu_cores", "peak_read_bytes_per_s"]),
 )

@@ -86,7 +86,8 @@ def render(results: dict[str, pa.Table], run_dirs: list[str]) -> str:
     tables = [("Throughput", "throughput"), ("Request latency (s)", "request_latency"),
               ("ITL by context length × concurrency (s)", "itl_by_context_concurrency"),
               ("ITL per step (s; differs from token ITL with speculative decoding)", "itl_per_step"),
-              ("Decode step time by batch size", "step_time_by_batch"), ("Runs compared", "run_comparison"),
+              ("Decode step time by batch size", "step_time_by_batch"),
+              ("KV cache: preemptions and prefix-cache hits", "kv_cache"), ("Runs compared", "run_comparison"),
               ("Run conditions", "run_conditions")]
     banner = "".join(f"<p class=partial>{html.escape(n)}</p>" for n in partial_notes(results))
     body = [f"<h1>batchgen report</h1>{banner}<p class=note>{html.escape(', '.join(run_dirs))} — generated "

@@ -14,7 +14,7 @@ import pyarrow as pa
 SQL_DIR = Path(__file__).resolve().parents[2] / "sql"
 # in dependency order
 QUERIES = ("run_status", "run_conditions", "throughput", "request_latency", "itl_by_context_concurrency", "itl_by_concurrency",
-           "itl_per_step",
+           "itl_per_step", "kv_cache",
            "throughput_over_time", "step_timeline", "mbu_over_steps", "step_time_by_batch", "ttft_cdf",
            "run_comparison")
 LARGE = {"step_timeline"}  # one row per step: written by DuckDB straight to files, never loaded whole

@@ -1,0 +1,104 @@
+"""Attention over the paged KV cache, batched over every sequence of a step with no Python loop.
+
+Each query tile (one decode token, or up to PREFILL_TILE tokens of one prompt chunk) is paired with
+the key tiles it may attend to: runs of consecutive blocks of its own sequence, about DECODE_KEYS or
+PREFILL_KEYS positions each. A pair computes its scores as one matmul, and the pairs of a query tile
+are combined with a split softmax (running max and sum, as flash-decoding does). A row reads only
+its own blocks: no padding to the longest context in the batch, only its last key tile's unused
+tail, masked. Decode tiles and prefill tiles are two calls, so a decode token is never padded to a
+prefill tile's width.
+
+On CUDA, `FlashInferBackend` runs a real paged kernel instead when flashinfer is installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PREFILL_TILE = 64  # query tokens per prefill tile
+DECODE_KEYS = 64  # key positions per decode pair (rounded to whole blocks)
+PREFILL_KEYS = 256  # key positions per prefill pair
+_FAR = 1 << 40  # the position of a padding query row: it may see every key (finite, then discarded)
+
+
+@dataclass
+class TileGroup:
+    """Query tiles of one width, and the (query tile, key tile) pairs they attend over."""
+
+    token_idx: torch.Tensor  # [N, Qt] indices into the step's tokens (padding rows point at token 0)
+    q_pos: torch.Tensor  # [N, Qt] each query's position (_FAR for padding rows)
+    valid: torch.Tensor | None  # [N, Qt] bool, None when no row is padding (decode)
+    pair_tile: torch.Tensor  # [P]
+    pair_blocks: torch.Tensor  # [P, KT] the key tile's blocks (past the sequence's end: any block, masked)
+    pair_pos0: torch.Tensor  # [P] the position of the key tile's first slot
+
+
+@dataclass
+class AttentionMetadata:
+    decode: TileGroup | None
+    prefill: TileGroup | None
+    # per scheduled chunk, for kernels that plan from sequence lengths (FlashInfer)
+    q_lens: list[int]  # tokens computed this step
+    seq_lens: list[int]  # context length after this step
+    block_tables: list[list[int]]
+
+
+def _tile_attention(q: torch.Tensor, g: TileGroup, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """q [N, Qt, Hkv, G, D] -> out [N, Qt, Hkv, G, D]; caches [num_blocks, Hkv, bs, D]."""
+    N, Qt, Hkv, G, D = q.shape
+    (P, KT), bs, QG = g.pair_blocks.shape, k_cache.shape[2], Qt * G
+    S = KT * bs
+    keys = k_cache[g.pair_blocks].transpose(1, 2).reshape(P, Hkv, S, D)  # [P, Hkv, S, D]
+    values = v_cache[g.pair_blocks].transpose(1, 2).reshape(P, Hkv, S, D)
+    qp = q[g.pair_tile].permute(0, 2, 1, 3, 4).reshape(P, Hkv, QG, D)
+    s = torch.matmul(qp, keys.transpose(-1, -2)).float().mul_(scale)  # [P, Hkv, Qt*G, S]
+    key_pos = g.pair_pos0[:, None] + torch.arange(S, device=q.device)  # [P, S]
+    hidden = key_pos[:, None, :] > g.q_pos[g.pair_tile][:, :, None]  # [P, Qt, S]: causal + past the context
+    s.view(P, Hkv, Qt, G, S).masked_fill_(hidden[:, None, :, None, :], float("-inf"))
+    m_pair = s.amax(dim=-1)  # [P, Hkv, QG]
+    idx = g.pair_tile[:, None, None].expand_as(m_pair)
+    m = torch.full((N, Hkv, QG), float("-inf"), device=q.device).scatter_reduce_(0, idx, m_pair, "amax")
+    e = torch.exp(s.sub_(m[g.pair_tile][..., None]))  # masked -> 0
+    l = torch.zeros((N, Hkv, QG), device=q.device).index_add_(0, g.pair_tile, e.sum(dim=-1))
+    o = torch.matmul(e.to(values.dtype), values)  # [P, Hkv, QG, D]
+    out = torch.zeros((N, Hkv, QG, D), device=q.device).index_add_(0, g.pair_tile, o.float())
+    out.div_(l[..., None])
+    return out.view(N, Hkv, Qt, G, D).permute(0, 2, 1, 3, 4).to(q.dtype)
+
+
+class TorchPagedAttention:
+    """The PyTorch path (CPU, and CUDA without flashinfer)."""
+
+    name = "torch-paged"
+    kv_layout = "HND"
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float) -> torch.Tensor:
+        """q [T, Hkv, G, D] for the step's tokens -> [T, Hkv, G, D]."""
+        out = torch.empty_like(q)
+        for g in (meta.decode, meta.prefill):  # at most two groups: not a loop over sequences
+            if g is None:
+                continue
+            o = _tile_attention(q[g.token_idx], g, k_cache, v_cache, scale)
+            if g.valid is None:
+                out[g.token_idx.view(-1)] = o.reshape(-1, *q.shape[1:])
+            else:
+                out[g.token_idx[g.valid]] = o[g.valid]
+        return out
+
+
+def select_backend(device: str, name: str = "auto"):
+    """`auto`: a real paged-attention kernel where one is installed for the device (FlashInfer on
+    CUDA), else the PyTorch path. `torch` or `flashinfer` ask for one (flashinfer must import)."""
+    if name == "flashinfer" or (name == "auto" and device.startswith("cuda")):
+        try:
+            from batchgen.engine.attention_flashinfer import FlashInferBackend
+
+            return FlashInferBackend(device)
+        except ImportError:
+            if name == "flashinfer":
+                raise
+    return TorchPagedAttention()

@@ -1,0 +1,129 @@
+"""The model runner: owns the device tensors (weights, the paged KV pool, the sampler's tables) and
+runs one forward pass over a scheduled step.
+
+A step's tokens are every scheduled chunk's tokens side by side ([T], no padding): the running
+requests' decode tokens and chunks of prompts, in one pass over the weights. The only host sync is
+the final `.tolist()` of the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.engine.attention import DECODE_KEYS, PREFILL_KEYS, PREFILL_TILE, _FAR, AttentionMetadata, TileGroup
+from batchgen.engine.kv_cache import PagedKVCache
+from batchgen.engine.request import Request
+from batchgen.engine.sampler import Sampler
+from batchgen.engine.scheduler import Chunk
+
+
+class ModelRunner:
+    def __init__(self, model, kv: PagedKVCache | None, attention, vocab_size: int, device: str):
+        self.model = model  # batchgen.model.llama.LlamaModel
+        self.kv = kv  # None: recompute the whole history every step (the lab's baseline)
+        self.attention = attention  # batchgen.engine.attention.select_backend(device), or None without a cache
+        self.device = device
+        self.sampler = Sampler(vocab_size, device)
+        self.num_computed_positions = 0  # positions run through the model (the lab's count)
+
+    def execute(self, chunks: list[Chunk]) -> list[int]:
+        """Run the step; returns one sampled token per chunk that reaches its request's end, in order."""
+        sampling = [c.request for c in chunks if c.samples]
+        if self.kv is None:  # without a cache only the chunks that sample need a pass (the lab's baseline)
+            if not sampling:
+                return []
+            logits = self._recompute(sampling)
+        else:
+            logits = self._forward(chunks)
+            if not sampling:  # only prompt chunks short of their end: still wait for the device, so
+                if self.device.startswith("cuda"):  # the step's end time is when its work is done
+                    torch.cuda.synchronize(self.device)
+                return []
+        return self._sample(logits, sampling).tolist()  # the one host sync
+
+    # ---- the paged forward -------------------------------------------------------------------------
+
+    def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        bs = self.kv.block_size
+        kt_dec, kt_pf = max(1, DECODE_KEYS // bs), max(1, PREFILL_KEYS // bs)  # blocks per key tile
+        tokens: list[int] = []
+        positions: list[int] = []
+        block_idx: list[int] = []
+        logits_idx: list[int] = []
+        dec_tok, dec_pos, dec_pair = [], [], ([], [], [])
+        pf_tok, pf_pos, pf_valid, pf_pair = [], [], [], ([], [], [])
+        for c in chunks:
+            req, base, end = c.request, len(tokens), c.start + c.num_tokens
+            tokens += req.all_token_ids[c.start:end]
+            positions += range(c.start, end)
+            table = req.block_table
+            block_idx += [table[p // bs] for p in range(c.start, end)]
+            if c.samples:
+                logits_idx.append(base + c.num_tokens - 1)
+            if c.num_tokens == 1:
+                _pairs(dec_pair, len(dec_tok), table, c.start, bs, kt_dec)
+                dec_tok.append([base])
+                dec_pos.append([c.start])
+                continue
+            for t0 in range(0, c.num_tokens, PREFILL_TILE):
+                n = min(PREFILL_TILE, c.num_tokens - t0)
+                pad = PREFILL_TILE - n
+                _pairs(pf_pair, len(pf_tok), table, c.start + t0 + n - 1, bs, kt_pf)
+                pf_tok.append(list(range(base + t0, base + t0 + n)) + [0] * pad)
+                pf_pos.append(list(range(c.start + t0, c.start + t0 + n)) + [_FAR] * pad)
+                pf_valid.append([True] * n + [False] * pad)
+        i64 = dict(dtype=torch.int64, device=self.device)
+        pos_t = torch.tensor(positions, **i64)
+        meta = AttentionMetadata(
+            decode=_group(dec_tok, dec_pos, None, dec_pair, i64) if dec_tok else None,
+            prefill=_group(pf_tok, pf_pos, pf_valid, pf_pair, i64) if pf_tok else None,
+            q_lens=[c.num_tokens for c in chunks], seq_lens=[c.start + c.num_tokens for c in chunks],
+            block_tables=[c.request.block_table for c in chunks])
+        self.num_computed_positions += len(tokens)
+        return self.model.forward(torch.tensor(tokens, **i64), pos_t, self.kv, torch.tensor(block_idx, **i64),
+                                  pos_t % bs, self.attention, meta, torch.tensor(logits_idx, **i64))
+
+    # ---- the lab's baseline: no cache ------------------------------------------------------------
+
+    def _recompute(self, reqs: list[Request]) -> torch.Tensor:
+        seqs = [r.all_token_ids for r in reqs]
+        self.num_computed_positions += sum(len(s) for s in seqs)
+        width = max(len(s) for s in seqs)
+        tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.int64, device=self.device)
+        last = torch.tensor([len(s) - 1 for s in seqs], dtype=torch.int64, device=self.device)
+        return self.model.prefill(tokens, last)
+
+    # ---- sampling ----------------------------------------------------------------------------------
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        sp = [r.sampling for r in reqs]
+        all_greedy = all(s.greedy for s in sp)
+        if all_greedy:
+            return logits.argmax(dim=-1)
+        dev = self.device
+        use_top = any(s.top_k > 0 or s.top_p < 1.0 for s in sp if not s.greedy)
+        return self.sampler(
+            logits, torch.tensor([float(s.temperature) for s in sp], device=dev),
+            torch.tensor([float(s.top_p) for s in sp], device=dev),
+            torch.tensor([s.top_k for s in sp], dtype=torch.int64, device=dev),
+            torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev),
+            torch.tensor([len(r.output_token_ids) for r in reqs], dtype=torch.int64, device=dev),  # the noise counter
+            False, use_top)
+
+
+def _pairs(pairs: tuple[list, list, list], tile: int, table: list[int], last_pos: int, bs: int, kt: int) -> None:
+    """The (query tile, key tile) pairs of a query tile whose last query sits at `last_pos`: its
+    blocks 0 .. last_pos // bs in runs of `kt` (the last run padded with block table[0], masked)."""
+    nb = last_pos // bs + 1
+    for b0 in range(0, nb, kt):
+        blocks = table[b0:min(b0 + kt, nb)]
+        pairs[0].append(tile)
+        pairs[1].append(blocks + [table[0]] * (kt - len(blocks)))
+        pairs[2].append(b0 * bs)
+
+
+def _group(tok, pos, valid, pairs, i64) -> TileGroup:
+    return TileGroup(token_idx=torch.tensor(tok, **i64), q_pos=torch.tensor(pos, **i64),
+                     valid=None if valid is None else torch.tensor(valid, dtype=torch.bool, device=i64["device"]),
+                     pair_tile=torch.tensor(pairs[0], **i64), pair_blocks=torch.tensor(pairs[1], **i64),
+                     pair_pos0=torch.tensor(pairs[2], **i64))
