@@ -9,61 +9,26 @@ import sys
 
 
 def _generate_parser(sub) -> None:
+    from batchgen.settings_cli import add_settings_flags
+
     p = sub.add_parser("generate", help="generate outputs for a Parquet prompt dataset",
-                       description="Generate one output row per input row; flags override --config.")
-    p.add_argument("--config", help="YAML run config (configs/*.yaml)")
-    p.add_argument("--input", nargs="+", help="Parquet file(s), a directory or a glob")
-    p.add_argument("--output", help="output root; the run goes to OUTPUT/<run_id>/")
-    p.add_argument("--run-id", help="name of the run; the same id resumes it")
-    p.add_argument("--model", help="'smollm2-135m' (default) or a local HF-format directory")
-    p.add_argument("--engine", choices=["native", "vllm"])
-    p.add_argument("--max-tokens", type=int)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--kv-cache-memory", type=float, metavar="GIB",
-                   help="the paged KV pool's size in GiB (default: 1 on CPU, 90%% of free GPU memory on CUDA)")
-    p.add_argument("--kv-cache-memory-fraction", type=float, help="or: a fraction of the device's free memory")
-    p.add_argument("--kv-cache-tokens", type=int, help="or: a pool of this many token positions")
-    p.add_argument("--block-size", type=int, help="positions per KV block (default 16)")
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   help="tokens per step: decode tokens plus prompt chunks (default 4096)")
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", default=None)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device")
-    p.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"])
-    p.add_argument("--shard-size", type=int)
-    p.add_argument("--too-long", choices=["error", "truncate"])
-    p.add_argument("--vllm-option", action="append", metavar="KEY=VALUE",
-                   help="vLLM engine option (JSON value), e.g. enable_prefix_caching=true (repeatable)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+                       description="Generate one output row per input row (per sample); flags override --config.")
+    p.add_argument("--config", help="YAML run config (configs/*.yaml); its keys are these flags' names with '_'")
+    add_settings_flags(p)
 
 
 def cmd_generate(args) -> int:
     from batchgen.runner import generate
     from batchgen.settings import GenerateSettings, load_yaml
+    from batchgen.settings_cli import settings_values
 
     values = load_yaml(args.config) if args.config else {}
-    flags = {k: v for k, v in vars(args).items()
-             if k not in ("command", "config", "vllm_option") and v is not None}
-    values.update(flags)
-    for item in args.vllm_option or []:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"--vllm-option {item!r}: expected KEY=VALUE")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        values.setdefault("vllm", {})[key] = value
+    for key, value in settings_values(args).items():  # flags win; KEY=VALUE flags add to the config's mapping
+        values[key] = {**values.get(key, {}), **value} if isinstance(value, dict) else value
     if "input" not in values:
         raise ValueError("no input: give --input PATH (or 'input:' in --config)")
     settings = GenerateSettings(**values)
+
     def started(opened) -> None:
         print(f"batchgen: run {opened.run.path}{' (resuming)' if opened.resumed else ''}; "
               f"resume with --run-id {opened.run.path.name}", file=sys.stderr)

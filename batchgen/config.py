@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 TOO_LONG_POLICIES = ("error", "truncate")
 ENGINES = ("native", "vllm")
@@ -43,12 +44,20 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # qwen2 has q/k/v bias
+    qk_norm: bool = False  # qwen3 RMS-normalises each head's q and k before RoPE
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # RoPE scaling (Llama 3.x "llama3", "linear"); factor 1 and "default" mean none
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.model_type in SUPPORTED_ARCHITECTURES,
                  f"unsupported architecture {self.model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        _require(self.rope_type in ROPE_TYPES, f"unsupported rope_type {self.rope_type!r}")
         _require(self.num_heads % self.num_kv_heads == 0,
                  f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})")
 
@@ -58,12 +67,18 @@ class ModelConfig:
         model_type = cfg.get("model_type", "?")
         archs = cfg.get("architectures") or []
         if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(f"unsupported architecture {model_type!r} ({', '.join(archs) or 'no architectures field'}); "
-                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ConfigError(f"unsupported rope_type {rope_type!r} in config.json; only default RoPE is implemented")
+            raise ConfigError(f"the native engine does not implement architecture {model_type!r} "
+                              f"({', '.join(archs) or 'no architectures field'}); it runs "
+                              f"{', '.join(SUPPORTED_ARCHITECTURES)}. Use --engine vllm, which runs it")
+        rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}  # older configs: rope_scaling
+        rope_type = rope.get("rope_type", rope.get("type")) or "default"
+        if rope_type not in ROPE_TYPES:
+            raise ConfigError(f"the native engine does not implement rope_type {rope_type!r} (it has "
+                              f"{', '.join(ROPE_TYPES)}). Use --engine vllm, which runs it")
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if window and window < cfg.get("max_position_embeddings", 2048):
+            raise ConfigError(f"the native engine does not implement sliding-window attention (sliding_window "
+                              f"{window}). Use --engine vllm, which runs it")
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos: list[int] = []
@@ -88,8 +103,14 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
             eos_token_ids=tuple(eos),
             bos_token_id=cfg.get("bos_token_id"),
+            rope_type=rope_type,
+            rope_factor=float(rope.get("factor", 1.0)),
+            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            rope_original_max_position=rope.get("original_max_position_embeddings"),
         )
 
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
@@ -194,6 +215,8 @@ class RunConfig:
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     engine_options: tuple[tuple[str, Any], ...] = ()  # backend-specific knobs (vllm), as sorted pairs
+    chat_template_kwargs: tuple[tuple[str, Any], ...] = ()  # template variables for every row, as sorted pairs
+    keep_columns: tuple[str, ...] = ()  # input columns carried into requests/ and errors/
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -204,6 +227,15 @@ class RunConfig:
                  f"run_id {self.run_id!r} must be a plain directory name: no '/', not '.' or '..', "
                  f"not starting with '.' (the run must stay inside the output root)")
         _require(self.too_long in TOO_LONG_POLICIES, f"too_long must be one of {TOO_LONG_POLICIES}, got {self.too_long!r}")
+
+
+def derive_seed(run_seed: int, request_id: str) -> int:
+    """A request's seed when its row has none: stable across runs, processes, engines and batch
+    composition, so the same run id gives the same samples on a re-run."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"{run_seed}:{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
 
 
 def is_plain_name(name: str) -> bool:

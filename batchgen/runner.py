@@ -23,11 +23,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import pyarrow as pa
+
 from batchgen.config import RunConfig
 from batchgen.data.prompts import InputProcessor, PreparedRow, RowError
-from batchgen.data.reader import PromptDataset, Shard
+from batchgen.data.reader import InputError, PromptDataset, Shard
 from batchgen.data.run import RunDir, new_run_id
-from batchgen.data.writer import ShardWriter
+from batchgen.data.writer import SCHEMAS, ShardWriter
 from batchgen.engine import Engine, EngineDead, RequestRejected, create_engine
 from batchgen.faults import checkpoint
 from batchgen.metrics.clock import RunClock
@@ -65,13 +67,23 @@ def run_identity(cfg: RunConfig, model_dir: Path, input_fingerprint: str) -> dic
     identity = {"engine": cfg.engine, "model_fingerprint": model_fingerprint(model_dir),
                 "engine_config": asdict(cfg.engine_config), "sampling": asdict(cfg.sampling),
                 "engine_options": [list(p) for p in cfg.engine_options], "input_fingerprint": input_fingerprint,
-                "shard_size": cfg.shard_size, "too_long": cfg.too_long}
+                "shard_size": cfg.shard_size, "too_long": cfg.too_long,
+                "chat_template_kwargs": [list(p) for p in cfg.chat_template_kwargs],
+                "keep_columns": list(cfg.keep_columns)}
     return json.loads(json.dumps(identity, default=str))  # compare as it is stored
 
 
 def open_run(cfg: RunConfig) -> OpenRun:
     """Validate the whole input, then create or resume the run directory and take its lock."""
-    dataset = PromptDataset(cfg.inputs)  # whole-input errors stop us here, before any work
+    dataset = PromptDataset(cfg.inputs, cfg.keep_columns)  # whole-input errors stop us here, before any work
+    clash = sorted(set(cfg.keep_columns) & set(SCHEMAS["requests"].names + SCHEMAS["errors"].names))
+    if clash:
+        raise InputError(f"--keep-columns {', '.join(clash)}: an output column has that name; keep the others, "
+                         f"or rename the input column")
+    if cfg.engine == "vllm":
+        from batchgen.engine.vllm import check_vllm_options
+
+        check_vllm_options(dict(cfg.engine_options))
     run = RunDir(Path(cfg.output_dir) / (cfg.run_id or new_run_id()))
     model_dir = resolve_model(cfg.model)
     identity = run_identity(cfg, model_dir, dataset.fingerprint())
@@ -133,10 +145,12 @@ def run_shard(cfg: RunConfig, run: RunDir, dataset: PromptDataset, engine: Engin
         run.clear_shard(index)
         shard = shard or dataset.read_shard(index, cfg.shard_size)
         engine.clock = RunClock(run.read_json()["run_start_wall"])
-        processor = InputProcessor(engine.tokenizer, engine.max_model_len, cfg.sampling, cfg.too_long)
-        writer = ShardWriter()
+        processor = InputProcessor(engine.tokenizer, engine.max_model_len, cfg.sampling, cfg.too_long,
+                                   cfg.engine_config.seed, dict(cfg.chat_template_kwargs))
+        writer = ShardWriter(pa.schema([dataset.schema.field(c) for c in cfg.keep_columns]))
         prepared = []
         for row in shard.rows():
+            writer.keep(row)
             p = processor.process(row)
             if isinstance(p, RowError):
                 writer.add_error(p)
@@ -205,7 +219,7 @@ def run_shard_in_worker(cfg: RunConfig, run_path: str, index: int) -> dict[str, 
     engine = load_engine(cfg, model_dir)
     _record_once(run, cfg, engine)
     try:
-        manifest = run_shard(cfg, run, PromptDataset(cfg.inputs), engine, index)
+        manifest = run_shard(cfg, run, PromptDataset(cfg.inputs, cfg.keep_columns), engine, index)
     except BaseException:
         drop_engine(engine)  # its state is unknown (a dead vLLM core, half-fed requests): start clean
         raise

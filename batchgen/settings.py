@@ -31,6 +31,12 @@ class GenerateSettings(BaseModel):
     seed: int = Field(0, title="Run seed", description="rows without a seed column derive theirs from it and their id")
     stop: list[str] = Field(default_factory=list, title="Stop strings")
     ignore_eos: bool = Field(False, title="Ignore EOS")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, title="Chat template variables",
+                                                 description="e.g. enable_thinking=false; a row's "
+                                                             "chat_template_kwargs column adds to them")
+    keep_columns: list[str] = Field(default_factory=list, title="Input columns to keep",
+                                    description="carried into requests/ and errors/, so outputs join back "
+                                                "to their metadata")
     max_num_seqs: int = Field(32, ge=1, le=4096, title="Max sequences per decode batch")
     max_model_len: int = Field(2048, ge=16, title="Max positions per sequence")
     kv_cache_memory: float | None = Field(None, gt=0, title="KV-cache memory (GiB)",
@@ -69,7 +75,9 @@ class GenerateSettings(BaseModel):
                                        device=self.device, seed=self.seed, attention_backend=self.attention_backend),
             sampling=SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                                     top_k=self.top_k, stop=tuple(self.stop), ignore_eos=self.ignore_eos),
-            engine_options=tuple(sorted(self.vllm.items())), progress=self.progress)
+            engine_options=tuple(sorted(self.vllm.items())),
+            chat_template_kwargs=tuple(sorted(self.chat_template_kwargs.items())),
+            keep_columns=tuple(self.keep_columns), progress=self.progress)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -24,7 +24,8 @@ def real_model_dir() -> Path:
 def build_tiny_model(dest: Path, real_model_dir: Path, model_type: str = "llama", seed: int = 0) -> Path:
     """A 2-layer random-init checkpoint with SmolLM2's tokenizer, saved by transformers itself."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -32,6 +33,12 @@ def build_tiny_model(dest: Path, real_model_dir: Path, model_type: str = "llama"
                   rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     if model_type == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif model_type == "qwen3":  # Qwen3's shape: q/k norm, head_dim not hidden / heads
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32))
+    elif model_type == "llama3":  # Llama 3.1's RoPE scaling, with a short original context so all of it matters
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     model.save_pretrained(dest)

@@ -40,7 +40,10 @@ def engine_greedy(model_dir, prompts_ids, max_new, max_num_seqs, stats=None, **k
     return [out[i] for i in range(len(prompts_ids))], max_concurrency
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+FAMILIES = ["llama", "qwen2", "llama3", "qwen3"]
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_tiny_model_logits_match_hf(tmp_path, real_model_dir, model_type):
     from transformers import AutoModelForCausalLM
 
@@ -60,6 +63,16 @@ def test_tiny_model_continuous_batching_matches_hf(tiny_model_dir):
     ref = hf_greedy(tiny_model_dir, prompts, max_new)
     got, concurrency = engine_greedy(tiny_model_dir, prompts, max_new, max_num_seqs=3)
     assert concurrency == 3
+    assert got == ref
+
+
+@pytest.mark.parametrize("model_type", ["llama3", "qwen3"])
+def test_each_family_generates_hfs_greedy_tokens_through_the_paged_engine(tmp_path, real_model_dir, model_type):
+    d = build_tiny_model(tmp_path, real_model_dir, model_type, seed=3)
+    prompts = [list(range(300 + 11 * i, 300 + 11 * i + 5 + 9 * i)) for i in range(4)]
+    max_new = [20, 9, 14, 5]  # positions past the 64 of the original context: the scaled RoPE regime
+    ref = hf_greedy(d, prompts, max_new)
+    got, _ = engine_greedy(d, prompts, max_new, max_num_seqs=2, max_num_batched_tokens=16, block_size=8)
     assert got == ref
 
 
@@ -164,7 +177,14 @@ def test_unsupported_architecture_and_missing_files_are_named(tmp_path, tiny_mod
     cfg = json.loads((d / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+    with pytest.raises(ModelLoadError, match="does not implement architecture 'gpt2'.*Use --engine vllm"):
+        read_model_config(d)
+    yarn = {**cfg, "model_type": "qwen2", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    (d / "config.json").write_text(json.dumps(yarn))
+    with pytest.raises(ModelLoadError, match="does not implement rope_type 'yarn'.*Use --engine vllm"):
+        read_model_config(d)
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral", "sliding_window": 128}))
+    with pytest.raises(ModelLoadError, match="sliding-window attention.*Use --engine vllm"):
         read_model_config(d)
     (d / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
     (d / "model.safetensors").unlink()

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from batchgen.config import ConfigError, SamplingParams
+from batchgen.config import ConfigError, SamplingParams, derive_seed
 from batchgen.data.reader import InvalidValue
 
 
@@ -52,6 +52,39 @@ def _messages(value: Any) -> list[dict[str, str]]:
 INT_RANGES = {"max_tokens": (1, 2**31 - 1), "top_k": (0, 2**31 - 1), "seed": (-(2**63), 2**63 - 1)}
 
 
+def _stop(value: Any) -> tuple[str, ...] | None:
+    """A row's stop strings: a list of strings, one string, or a JSON list in a string."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value.startswith("["):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError(f"stop is not a valid JSON list: {value!r}") from None
+        else:
+            value = [value]
+    if not isinstance(value, list) or not all(isinstance(x, str) and x for x in value):
+        raise ValueError(f"stop must be a list of non-empty strings, got {value!r}")
+    return tuple(value)
+
+
+def _mapping(value: Any, name: str) -> dict[str, Any]:
+    """A mapping from a struct, an Arrow map (a list of pairs) or a JSON object in a string."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON ({e.msg})") from None
+    if isinstance(value, list) and all(isinstance(x, tuple) and len(x) == 2 for x in value):
+        value = dict(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a mapping, got {value!r}")
+    return value
+
+
 def _param(row: dict[str, Any], name: str, kind: type):
     v = row.get(name)
     if v is None:
@@ -73,30 +106,31 @@ def _param(row: dict[str, Any], name: str, kind: type):
 class InputProcessor:
     """Applies the chat template, tokenizes, merges per-row parameters and the too_long policy."""
 
-    def __init__(self, tokenizer, max_model_len: int, defaults: SamplingParams, too_long: str = "error"):
+    def __init__(self, tokenizer, max_model_len: int, defaults: SamplingParams, too_long: str = "error",
+                 run_seed: int = 0, chat_template_kwargs: dict[str, Any] | None = None):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.defaults = defaults
         self.too_long = too_long
+        self.run_seed = run_seed
+        self.chat_template_kwargs = chat_template_kwargs or {}
 
     def process(self, row: dict[str, Any]) -> PreparedRow | RowError:
         rid = row["id"]
         try:
             overrides = {k: _param(row, k, t) for k, t in
                          (("max_tokens", int), ("temperature", float), ("top_p", float), ("top_k", int), ("seed", int))}
+            overrides["stop"] = _stop(row.get("stop"))
             sampling = replace(self.defaults, **{k: v for k, v in overrides.items() if v is not None})
+            if sampling.seed is None:  # derived here, where rows become requests, so every engine gets the same
+                sampling = replace(sampling, seed=derive_seed(self.run_seed, rid))
         except (ValueError, ConfigError) as e:
             return RowError(rid, f"invalid parameter: {e}", "validate")
         bad = next((v for v in row.values() if isinstance(v, InvalidValue)), None)
         if bad is not None:
             return RowError(rid, bad.reason, "validate")
         try:
-            if "messages" in row:
-                text = self.tokenizer.apply_chat_template(_messages(row["messages"]))
-            else:
-                text = row.get("prompt")
-                if text is None:
-                    raise ValueError("prompt is null")
+            text = self._render(row)
             if not text.strip():
                 raise ValueError("prompt is empty")
         except ValueError as e:
@@ -111,3 +145,25 @@ class InputProcessor:
                                      f"max_model_len {self.max_model_len} (policy too_long=error)", "tokenize")
             return PreparedRow(rid, ids[-limit:], sampling, truncated_from=len(ids))  # keep the end, like vLLM
         return PreparedRow(rid, ids, sampling)
+
+    def _render(self, row: dict[str, Any]) -> str:
+        """The prompt text: a `prompt` used as is, or chat messages rendered with the model's template.
+        A `system` column adds a system turn (unless the row's messages start with one), which makes
+        a plain prompt a chat; `chat_template_kwargs` (run, then row) reach the template when one is
+        rendered."""
+        kwargs = {**self.chat_template_kwargs, **_mapping(row.get("chat_template_kwargs"), "chat_template_kwargs")}
+        system = row.get("system")
+        if system is not None and not isinstance(system, str):
+            raise ValueError(f"system must be a string, got {system!r}")
+        if "messages" in row:
+            messages = _messages(row["messages"])
+        else:
+            prompt = row.get("prompt")
+            if prompt is None:
+                raise ValueError("prompt is null")
+            if system is None:
+                return prompt
+            messages = [{"role": "user", "content": prompt}]
+        if system is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": system}] + messages
+        return self.tokenizer.apply_chat_template(messages, **kwargs)

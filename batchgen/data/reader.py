@@ -23,6 +23,7 @@ from batchgen.data.storage import sha256_file
 
 PROMPT, MESSAGES, ID = "prompt", "messages", "id"
 PARAM_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+ROW_COLUMNS = ("stop", "system", "chat_template_kwargs")  # per-row request options, checked row by row
 
 
 class InputError(ValueError):
@@ -98,8 +99,9 @@ class Shard:
 class PromptDataset:
     """A validated prompt dataset; iterate `shards(size)` to stream it."""
 
-    def __init__(self, inputs: tuple[str, ...] | list[str]):
+    def __init__(self, inputs: tuple[str, ...] | list[str], keep_columns: tuple[str, ...] | list[str] = ()):
         self.files = expand_inputs(inputs)
+        self.keep_columns = list(keep_columns)
         self.num_rows = 0
         self._rows_per_file: list[tuple[str, int]] = []
         file_schemas: list[pa.Schema] = []
@@ -149,7 +151,12 @@ class PromptDataset:
             t = self.schema.field(ID).type
             if not (pa.types.is_string(t) or pa.types.is_integer(t)):
                 raise InputError(f"{self._where()}: column 'id' must be string or integer, found {t}")
-        self.columns = [c for c in (ID, self.prompt_column, *PARAM_COLUMNS) if c in names]
+        missing = [c for c in self.keep_columns if c not in names]
+        if missing:
+            raise InputError(f"{self._where()}: --keep-columns names {', '.join(repr(c) for c in missing)}, which the "
+                             f"input does not have (columns: {', '.join(names)})")
+        wanted = (ID, self.prompt_column, *PARAM_COLUMNS, *ROW_COLUMNS, *self.keep_columns)
+        self.columns = [c for c in dict.fromkeys(wanted) if c in names]
 
     def _check_ids(self) -> None:
         if ID not in self.schema.names:

@@ -34,7 +34,9 @@ SCHEMAS = {"requests": REQUESTS_SCHEMA, "errors": ERRORS_SCHEMA, "tokens": TOKEN
 
 
 class ShardWriter:
-    def __init__(self):
+    def __init__(self, kept_schema: pa.Schema | None = None):
+        self.kept_schema = kept_schema or pa.schema([])  # input columns carried into requests/ and errors/
+        self._kept: dict[str, dict] = {}
         self.requests: dict[str, list] = {f: [] for f in REQUESTS_SCHEMA.names}
         self.errors: dict[str, list] = {f: [] for f in ERRORS_SCHEMA.names}
         self.tokens: dict[str, list] = {f: [] for f in TOKENS_SCHEMA.names}
@@ -42,6 +44,11 @@ class ShardWriter:
         self._last_t: dict[str, float] = {}
         self.truncated: dict[str, int] = {}
         self.num_output_tokens = 0
+
+    def keep(self, row: dict) -> None:
+        """Remember the row's kept input columns (nothing when none are kept)."""
+        if self.kept_schema.names:
+            self._kept[row["id"]] = {c: row.get(c) for c in self.kept_schema.names}
 
     def add_error(self, err: RowError) -> None:
         self.errors["id"].append(err.id)
@@ -115,6 +122,11 @@ class ShardWriter:
                            ("steps", self.steps)):
             out[name] = pa.table({k: pa.array(v, SCHEMAS[name].field(k).type) for k, v in cols.items()},
                                  schema=SCHEMAS[name])
+        for name in ("requests", "errors"):
+            ids = out[name].column("id").to_pylist()
+            for field in self.kept_schema:
+                values = [self._kept.get(i, {}).get(field.name) for i in ids]
+                out[name] = out[name].append_column(field, pa.array(values, field.type))
         return out
 
     def _token_ids(self) -> list[int]:

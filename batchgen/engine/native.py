@@ -8,14 +8,13 @@ over the step, with one host sync. Bookkeeping after the step (stops, timings, e
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 import batchgen
-from batchgen.config import EngineConfig, SamplingParams
+from batchgen.config import EngineConfig, SamplingParams, derive_seed
 from batchgen.engine.attention import select_backend
 from batchgen.engine.base import Engine, FinishedRequest, RequestRejected, StepResult, monotonic_clock
 from batchgen.engine.block_manager import BlockManager
@@ -26,12 +25,6 @@ from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.faults import fail_if_poisoned, fault_requests_active
 from batchgen.model.loader import DTYPES, load_model, read_model_config
 from batchgen.model.tokenizer import Tokenizer
-
-
-def derive_seed(run_seed: int, request_id: str) -> int:
-    """A request's seed when it has none: stable across runs, processes and batch composition."""
-    digest = hashlib.blake2b(f"{run_seed}:{request_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
 
 
 class NativeEngine(Engine):
@@ -76,6 +69,7 @@ class NativeEngine(Engine):
             raise RequestRejected("empty prompt: no tokens to condition on")
         if request_id in self._ids:
             raise RequestRejected(f"duplicate request id {request_id!r}")
+        # rows get their seed where they become requests (batchgen.data.prompts); this covers direct callers
         seed = sampling.seed if sampling.seed is not None else derive_seed(self.config.seed, request_id)
         try:
             self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, seed, enqueue_t=self.clock()))

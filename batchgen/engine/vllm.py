@@ -16,13 +16,34 @@ import batchgen
 from batchgen.config import EngineConfig, SamplingParams
 from batchgen.engine.base import Engine, EngineDead, FinishedRequest, RequestRejected, StepResult, monotonic_clock
 from batchgen.engine.kv_cache import free_memory_bytes
-from batchgen.model.loader import count_decode_weight_elements, read_model_config
+from batchgen.model.loader import count_decode_weight_elements, read_hf_shape
 from batchgen.model.tokenizer import Tokenizer
 
-# knobs passed through to vllm.EngineArgs as they are
-PASSTHROUGH = ("tensor_parallel_size", "gpu_memory_utilization", "enable_prefix_caching", "quantization",
-               "speculative_config", "enforce_eager", "kv_cache_memory_bytes", "swap_space", "block_size",
-               "max_num_batched_tokens", "distributed_executor_backend", "enable_chunked_prefill")
+# vllm.EngineArgs fields that batchgen sets itself, and the setting that sets each
+OWNED = {"model": "--model", "tokenizer": "--model", "seed": "--seed (per row: the seed column)",
+         "max_num_seqs": "--max-num-seqs", "max_model_len": "--max-model-len", "dtype": "--dtype",
+         "disable_log_stats": "(batchgen reads vLLM's stats for steps/)"}
+
+
+def check_vllm_options(options: dict[str, Any]) -> None:
+    """Every vllm.EngineArgs field passes through; unknown keys and keys batchgen owns are refused
+    with a line that says what to use instead."""
+    import dataclasses
+    import difflib
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    problems = []
+    for key in sorted(options):
+        if key in OWNED:
+            problems.append(f"{key!r} is set by batchgen: use {OWNED[key]}")
+        elif key not in fields:
+            close = difflib.get_close_matches(key, sorted(fields), n=3, cutoff=0.6)
+            problems.append(f"{key!r} is not a vllm EngineArgs field"
+                            + (f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""))
+    if problems:
+        raise ValueError("vllm options: " + "; ".join(problems))
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 IDLE_TIMEOUT_S = 600.0  # no output at all for this long, with requests in flight, means a wedged engine
 
@@ -94,20 +115,18 @@ class VllmEngine(Engine):
         from vllm.v1.engine.llm_engine import LLMEngine
 
         options = dict(options or {})
-        unknown = sorted(set(options) - set(PASSTHROUGH))
-        if unknown:
-            raise ValueError(f"unknown vllm option(s) {unknown}; known: {', '.join(PASSTHROUGH)}")
+        check_vllm_options(options)
         self.config = config
         self.model_dir = Path(model_dir)
-        model_config = read_model_config(model_dir)
-        self.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
+        shape = read_hf_shape(model_dir)  # vLLM itself decides whether it runs the architecture
+        self.max_model_len = min(config.max_model_len, shape["max_position_embeddings"])
         self.tokenizer = Tokenizer(model_dir)
         self.clock = clock or monotonic_clock()
         on_cpu = config.device == "cpu"
         options.setdefault("enforce_eager", on_cpu)  # torch.compile costs minutes of start-up on CPU
         options.setdefault("max_num_batched_tokens", max(config.max_num_batched_tokens, self.max_model_len))
         bpe = BYTES[config.dtype]
-        self.kv_bytes_per_token = model_config.kv_bytes_per_token(bpe)
+        self.kv_bytes_per_token = 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * bpe
         # the same KV memory as the native engine: an explicit budget, or (CPU) the same fixed default;
         # on CUDA without a budget, vLLM's own gpu_memory_utilization sizes it
         explicit = config.kv_cache_memory_gib is not None or config.kv_cache_tokens is not None
@@ -128,7 +147,7 @@ class VllmEngine(Engine):
         self._closing = False
         self._watch_engine_core()
         self.weight_bytes = count_decode_weight_elements(model_dir) * bpe
-        self.row_embed_bytes = model_config.hidden_size * bpe
+        self.row_embed_bytes = shape["hidden_size"] * bpe
         self._requests: dict[str, _Tracked] = {}
         self._step_id = 0
         import vllm

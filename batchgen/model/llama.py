@@ -1,4 +1,5 @@
-"""The Llama-family forward pass (Llama, SmolLM, Mistral-style, Qwen2 with q/k/v bias), written for decode.
+"""The Llama-family forward pass (Llama 2/3.x with RoPE scaling, SmolLM, Mistral, Qwen2 with q/k/v bias,
+Qwen3 with q/k norm), written for decode.
 
 Shapes: T = tokens of a step (every sequence's chunk side by side), N = sequences in a padded batch
 (the no-cache path), P = its padded length, H/Hkv = query/KV heads, G = H / Hkv, D = head_dim,
@@ -6,6 +7,8 @@ E = hidden size, V = vocab. Weights are fused at load (qkv, gate_up) so a layer 
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +28,32 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rope_inv_freq(c: ModelConfig) -> torch.Tensor:
+    """RoPE's inverse frequencies [D/2], with Llama 3.x's or linear scaling where the config asks."""
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
+    if c.rope_type == "linear":
+        return inv_freq / c.rope_factor
+    if c.rope_type == "llama3":  # low frequencies scaled by factor, high kept, a smooth blend between
+        old_len = c.rope_original_max_position
+        low_wavelen, high_wavelen = old_len / c.rope_low_freq_factor, old_len / c.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / c.rope_factor, inv_freq)
+        smooth = (old_len / wavelen - c.rope_low_freq_factor) / (c.rope_high_freq_factor - c.rope_low_freq_factor)
+        blended = (1 - smooth) * scaled / c.rope_factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
 class Layer:
     """One decoder layer's fused weights."""
 
-    def __init__(self, input_norm, qkv, qkv_bias, o, post_norm, gate_up, down):
+    def __init__(self, input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, q_norm=None, k_norm=None):
         self.input_norm = input_norm  # [E]
         self.qkv = qkv  # [(H + 2 Hkv) D, E]
         self.qkv_bias = qkv_bias  # [(H + 2 Hkv) D] or None
+        self.q_norm = q_norm  # [D] or None (qwen3)
+        self.k_norm = k_norm  # [D] or None
         self.o = o  # [E, H D]
         self.post_norm = post_norm  # [E]
         self.gate_up = gate_up  # [2 I, E]
@@ -55,7 +77,7 @@ class LlamaModel:
         self.kv_size = c.num_kv_heads * c.head_dim
         self.group = c.num_heads // c.num_kv_heads
         self.scale = c.head_dim ** -0.5
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
+        inv_freq = rope_inv_freq(c)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)  # [max_pos, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, D]
@@ -72,9 +94,15 @@ class LlamaModel:
     # ---- pieces shared by prefill and decode -------------------------------------------------
 
     def _qkv(self, layer: Layer, h: torch.Tensor):
-        x = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        """h [..., E] -> q [..., H, D], k and v [..., Hkv, D] (q and k normalised per head where the model does)."""
+        c = self.config
+        x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+        q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.unflatten(-1, (c.num_heads, c.head_dim))
+        k = k.unflatten(-1, (c.num_kv_heads, c.head_dim))
+        if layer.q_norm is not None:
+            q, k = rms_norm(q, layer.q_norm, c.rms_norm_eps), rms_norm(k, layer.k_norm, c.rms_norm_eps)
+        return q, k, v.unflatten(-1, (c.num_kv_heads, c.head_dim))
 
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
@@ -97,10 +125,7 @@ class LlamaModel:
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, D]
         h = self.embed[tokens]  # [T, E]
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, h)
-            q = q.view(T, c.num_heads, D)
-            k = k.view(T, Hkv, D)
-            v = v.view(T, Hkv, D)
+            q, k, v = self._qkv(layer, h)  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             kv.write(i, block_idx, offset, k, v)  # first, so a chunk's queries see their own keys
@@ -121,10 +146,7 @@ class LlamaModel:
         cos, sin = self.cos[:P], self.sin[:P]  # [P, D]
         h = self.embed[tokens]  # [N, P, E]
         for layer in self.layers:
-            q, k, v = self._qkv(layer, h)
-            q = q.view(N, P, c.num_heads, c.head_dim).transpose(1, 2)  # [N, H, P, D]
-            k = k.view(N, P, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [N, Hkv, P, D]
-            v = v.view(N, P, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            q, k, v = (x.transpose(1, 2) for x in self._qkv(layer, h))  # [N, H, P, D], [N, Hkv, P, D] x2
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.group > 1)

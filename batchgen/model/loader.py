@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +34,22 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         raise ModelLoadError(f"{cfg_path}: {e}") from None
     except KeyError as e:
         raise ModelLoadError(f"{cfg_path}: missing field {e.args[0]!r}") from None
+
+
+def read_hf_shape(model_dir: str | Path) -> dict[str, Any]:
+    """The few shape figures any engine's bookkeeping needs (KV bytes per token, context length),
+    read leniently from config.json for any architecture: no support check, which is the engine's."""
+    d = Path(model_dir)
+    if not (d / "config.json").is_file():
+        raise ModelLoadError(f"missing config.json in model directory {d}")
+    cfg = json.loads((d / "config.json").read_text())
+    text = {**cfg, **(cfg.get("text_config") or {})}  # multimodal configs nest the language model's
+    heads = text.get("num_attention_heads", 1)
+    hidden = text.get("hidden_size", 0)
+    return {"num_layers": text.get("num_hidden_layers", 0), "num_kv_heads": text.get("num_key_value_heads") or heads,
+            "head_dim": text.get("head_dim") or (hidden // heads if heads else 0), "hidden_size": hidden,
+            "max_position_embeddings": text.get("max_position_embeddings", 2048),
+            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))}
 
 
 def _weight_files(d: Path) -> list[Path]:
@@ -83,6 +100,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
             input_norm=take(p + "input_layernorm.weight"),
             qkv=torch.cat([q, k, v]).contiguous(),
             qkv_bias=bias,
+            q_norm=take(p + "self_attn.q_norm.weight") if config.qk_norm else None,
+            k_norm=take(p + "self_attn.k_norm.weight") if config.qk_norm else None,
             o=take(p + "self_attn.o_proj.weight"),
             post_norm=take(p + "post_attention_layernorm.weight"),
             gate_up=torch.cat([gate, up]).contiguous(),
@@ -101,14 +120,14 @@ def count_decode_weight_elements(model_dir: str | Path) -> int:
     The embedding counts only when it doubles as the LM head (tied); otherwise just its looked-up rows."""
     import struct
 
-    config = read_model_config(model_dir)
+    tied = read_hf_shape(model_dir)["tie_word_embeddings"]
     total = 0
     for f in _weight_files(Path(model_dir)):
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
         for name, info in header.items():
-            if name == "__metadata__" or (name == "model.embed_tokens.weight" and not config.tie_word_embeddings):
+            if name == "__metadata__" or (name.endswith("embed_tokens.weight") and not tied):
                 continue
             numel = 1
             for d in info["shape"]:

@@ -43,8 +43,9 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """Render messages the way transformers' apply_chat_template(add_generation_prompt=True) does."""
+    def apply_chat_template(self, messages: list[dict[str, str]], **kwargs: Any) -> str:
+        """Render messages the way transformers' apply_chat_template(add_generation_prompt=True) does;
+        `kwargs` (chat_template_kwargs, e.g. enable_thinking) are template variables."""
         if not self._template_src:
             raise ModelLoadError("this model has no chat template, so a 'messages' column cannot be used")
         if self._template is None:
@@ -59,5 +60,5 @@ class Tokenizer:
             env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
             env.globals["raise_exception"] = raise_exception
             self._template = env.from_string(self._template_src)
-        return self._template.render(messages=messages, add_generation_prompt=True,
+        return self._template.render(**{"add_generation_prompt": True, **kwargs}, messages=messages,
                                      bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))

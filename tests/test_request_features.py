@@ -1,0 +1,106 @@
+"""Per-row request features on the native engine: stop lists, a system column, chat-template
+variables, input columns kept beside the outputs, and seeds derived where rows become requests."""
+
+import json
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.cli import main
+from batchgen.config import SamplingParams, derive_seed
+from batchgen.data.prompts import InputProcessor, PreparedRow, RowError
+from batchgen.model.tokenizer import Tokenizer
+
+from conftest import cli_args, read_run_table
+
+THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking %}<think>{% endif %}{% endif %}")
+
+
+@pytest.fixture
+def thinking_model(tmp_path, tiny_model_dir):
+    d = tmp_path / "thinking"
+    shutil.copytree(tiny_model_dir, d)
+    (d / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    return d
+
+
+def processor(model_dir, **kw):
+    return InputProcessor(Tokenizer(model_dir), 512, SamplingParams(stop=("RUN",)), **kw)
+
+
+def text_of(p: PreparedRow, model_dir) -> str:
+    return Tokenizer(model_dir).decode(p.prompt_token_ids)
+
+
+def test_system_column_and_template_variables_shape_the_prompt(thinking_model):
+    proc = processor(thinking_model, chat_template_kwargs={"enable_thinking": False})
+    plain = proc.process({"id": "a", "prompt": "hi"})
+    assert text_of(plain, thinking_model) == "hi"  # a plain prompt is used as it is
+    sys_row = proc.process({"id": "b", "prompt": "hi", "system": "be brief"})
+    assert text_of(sys_row, thinking_model) == "<|system|>be brief\n<|user|>hi\n<|assistant|>"
+    chat = [{"role": "user", "content": "hi"}]
+    assert text_of(proc.process({"id": "c0", "messages": chat}), thinking_model).endswith("<|assistant|>")
+    think = proc.process({"id": "c", "messages": chat, "chat_template_kwargs": json.dumps({"enable_thinking": True})})
+    assert text_of(think, thinking_model).endswith("<|assistant|><think>")  # the row's variables win
+    own = proc.process({"id": "d", "messages": [{"role": "system", "content": "mine"}, {"role": "user", "content": "x"}],
+                        "system": "ignored"})
+    assert text_of(own, thinking_model).startswith("<|system|>mine\n<|user|>x")  # the row's own system turn stays
+    bad = proc.process({"id": "e", "prompt": "hi", "chat_template_kwargs": "{oops"})
+    assert isinstance(bad, RowError) and "chat_template_kwargs is not valid JSON" in bad.error
+
+
+def test_per_row_stop_replaces_the_run_stop_and_seeds_are_derived_here(tiny_model_dir):
+    proc = processor(tiny_model_dir, run_seed=7)
+    assert proc.process({"id": "a", "prompt": "x"}).sampling.stop == ("RUN",)
+    assert proc.process({"id": "b", "prompt": "x", "stop": ["A", "B"]}).sampling.stop == ("A", "B")
+    assert proc.process({"id": "c", "prompt": "x", "stop": '["\\n\\n"]'}).sampling.stop == ("\n\n",)
+    bad = proc.process({"id": "d", "prompt": "x", "stop": ["", "B"]})
+    assert isinstance(bad, RowError) and "stop must be a list of non-empty strings" in bad.error
+    assert proc.process({"id": "e", "prompt": "x"}).sampling.seed == derive_seed(7, "e")
+    assert proc.process({"id": "f", "prompt": "x", "seed": 3}).sampling.seed == 3
+
+
+def test_features_through_the_cli_with_kept_columns(tmp_path, tiny_model_dir):
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({
+        "id": ["a", "b", "c", "bad"],
+        "prompt": ["one two", "three four", "five six", "seven"],
+        "stop": pa.array([None, ["zzz"], None, [""]], pa.list_(pa.string())),
+        "system": [None, "You answer in French.", None, None],
+        "source": ["wiki", "news", "wiki", "forum"],
+        "weight": pa.array([0.5, 1.5, 2.5, 3.5], pa.float32()),
+    }), inp)
+    out = tmp_path / "runs"
+    assert main(cli_args(inp, out, tiny_model_dir, "r", "--keep-columns", "source", "weight")) == 0
+    req = {r["id"]: r for r in read_run_table(out / "r", "requests").to_pylist()}
+    (err,) = read_run_table(out / "r", "errors").to_pylist()
+    assert {k: (r["source"], r["weight"]) for k, r in req.items()} == {"a": ("wiki", 0.5), "b": ("news", 1.5),
+                                                                      "c": ("wiki", 2.5)}
+    assert err["id"] == "bad" and err["source"] == "forum" and "stop must be" in err["error"]
+    assert req["b"]["prompt_tokens"] > req["a"]["prompt_tokens"] + 5  # the system turn and template were added
+    assert read_run_table(out / "r", "requests").schema.field("weight").type == pa.float64()  # widened, as every file of the input is
+
+
+def test_keep_columns_that_are_missing_or_clash_are_whole_input_errors(tmp_path, tiny_model_dir, capsys):
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["x"], "text": ["y"]}), inp)
+    assert main(cli_args(inp, tmp_path / "runs", tiny_model_dir, "r", "--keep-columns", "nope")) == 2
+    assert "--keep-columns names 'nope', which the input does not have" in capsys.readouterr().err
+    assert main(cli_args(inp, tmp_path / "runs", tiny_model_dir, "r", "--keep-columns", "text")) == 2
+    assert "--keep-columns text: an output column has that name" in capsys.readouterr().err
+
+
+def test_every_setting_has_exactly_one_cli_flag():
+    """The CLI is made from the settings model: no field without a flag, no flag without a field."""
+    import argparse
+
+    from batchgen.settings import GenerateSettings
+    from batchgen.settings_cli import add_settings_flags
+
+    p = argparse.ArgumentParser()
+    add_settings_flags(p)
+    dests = [a.dest for a in p._actions if a.dest != "help"]
+    assert sorted(dests) == sorted(GenerateSettings.model_fields)
