@@ -16,6 +16,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 TOO_LONG_POLICIES = ("error", "truncate")
 ENGINES = ("native", "vllm")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+MAX_LOGPROBS = 20  # top alternatives per token, as the OpenAI API allows
 
 
 class ConfigError(ValueError):
@@ -128,6 +129,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; 0: the chosen token's logprob; k: also the top k alternatives
 
     def __post_init__(self) -> None:
         _require(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
@@ -141,6 +143,8 @@ class SamplingParams:
         _require(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
                  f"seed must be an integer, got {self.seed!r}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
+        _require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -217,6 +221,7 @@ class RunConfig:
     engine_options: tuple[tuple[str, Any], ...] = ()  # backend-specific knobs (vllm), as sorted pairs
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()  # template variables for every row, as sorted pairs
     keep_columns: tuple[str, ...] = ()  # input columns carried into requests/ and errors/
+    n: int = 1  # samples per prompt (a row's n column wins)
     progress: bool = True
 
     def __post_init__(self) -> None:

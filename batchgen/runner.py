@@ -68,7 +68,7 @@ def run_identity(cfg: RunConfig, model_dir: Path, input_fingerprint: str) -> dic
                 "engine_config": asdict(cfg.engine_config), "sampling": asdict(cfg.sampling),
                 "engine_options": [list(p) for p in cfg.engine_options], "input_fingerprint": input_fingerprint,
                 "shard_size": cfg.shard_size, "too_long": cfg.too_long,
-                "chat_template_kwargs": [list(p) for p in cfg.chat_template_kwargs],
+                "chat_template_kwargs": [list(p) for p in cfg.chat_template_kwargs], "n": cfg.n,
                 "keep_columns": list(cfg.keep_columns)}
     return json.loads(json.dumps(identity, default=str))  # compare as it is stored
 
@@ -146,7 +146,7 @@ def run_shard(cfg: RunConfig, run: RunDir, dataset: PromptDataset, engine: Engin
         shard = shard or dataset.read_shard(index, cfg.shard_size)
         engine.clock = RunClock(run.read_json()["run_start_wall"])
         processor = InputProcessor(engine.tokenizer, engine.max_model_len, cfg.sampling, cfg.too_long,
-                                   cfg.engine_config.seed, dict(cfg.chat_template_kwargs))
+                                   cfg.engine_config.seed, dict(cfg.chat_template_kwargs), cfg.n)
         writer = ShardWriter(pa.schema([dataset.schema.field(c) for c in cfg.keep_columns]))
         prepared = []
         for row in shard.rows():
@@ -155,9 +155,13 @@ def run_shard(cfg: RunConfig, run: RunDir, dataset: PromptDataset, engine: Engin
             if isinstance(p, RowError):
                 writer.add_error(p)
             else:
-                prepared.append(p)
-                if p.truncated_from is not None:
-                    writer.truncated[p.id] = p.truncated_from
+                for k, sample in enumerate(p.samples()):  # n samples: n requests, mapped back by the writer
+                    prepared.append(sample)
+                    writer.seeds[sample.id] = sample.sampling.seed
+                    if p.n > 1:
+                        writer.samples[sample.id] = (p.id, k, p.n)
+                    if p.truncated_from is not None:
+                        writer.truncated[sample.id] = p.truncated_from
         if progress:
             progress.update(len(writer.errors["id"]))
         _generate_isolating_failures(engine, writer, prepared, progress)

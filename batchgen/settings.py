@@ -31,6 +31,11 @@ class GenerateSettings(BaseModel):
     seed: int = Field(0, title="Run seed", description="rows without a seed column derive theirs from it and their id")
     stop: list[str] = Field(default_factory=list, title="Stop strings")
     ignore_eos: bool = Field(False, title="Ignore EOS")
+    n: int = Field(1, ge=1, le=1024, title="Samples per prompt",
+                   description="each sample is its own row in requests/ with sample_index (a row's n column wins)")
+    logprobs: int | None = Field(None, ge=0, le=20, title="Logprobs",
+                                 description="0: each output token's logprob in tokens/; k: also its top k "
+                                             "alternatives; empty: none (a row's logprobs column wins)")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, title="Chat template variables",
                                                  description="e.g. enable_thinking=false; a row's "
                                                              "chat_template_kwargs column adds to them")
@@ -74,10 +79,11 @@ class GenerateSettings(BaseModel):
                                        max_num_batched_tokens=self.max_num_batched_tokens, dtype=self.dtype,
                                        device=self.device, seed=self.seed, attention_backend=self.attention_backend),
             sampling=SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                    top_k=self.top_k, stop=tuple(self.stop), ignore_eos=self.ignore_eos),
+                                    top_k=self.top_k, stop=tuple(self.stop), ignore_eos=self.ignore_eos,
+                                    logprobs=self.logprobs),
             engine_options=tuple(sorted(self.vllm.items())),
             chat_template_kwargs=tuple(sorted(self.chat_template_kwargs.items())),
-            keep_columns=tuple(self.keep_columns), progress=self.progress)
+            keep_columns=tuple(self.keep_columns), n=self.n, progress=self.progress)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 -- Inter-token latency per step: with speculative decoding one step can emit several tokens of a
--- request (they share its time, so their token ITL is 0). Here each request's gaps are taken between
+-- request (they share its time, so their token ITL is 0). Here each request's (each sample's) gaps are taken between
 -- the distinct steps that produced its tokens, alongside how many tokens those steps emitted.
 with request_steps as (
-    select run_id, shard, request_id, step_id, any_value(t) as t, count(*) as tokens_in_step
+    select run_id, shard, request_id, sample_index, step_id, any_value(t) as t, count(*) as tokens_in_step
     from tokens
     group by all
 ),
@@ -11,7 +11,7 @@ gaps as (
     select
         run_id,
         tokens_in_step,
-        t - lag(t) over (partition by run_id, shard, request_id order by t, step_id) as step_gap_s
+        t - lag(t) over (partition by run_id, shard, request_id, sample_index order by t, step_id) as step_gap_s
     from request_steps
 ),
 

@@ -26,13 +26,18 @@ def runs(tmp_path_factory):
     too_long = {"id": "too-long", "prompt": "lorem ipsum " * 400}
     empty = {"id": "empty", "prompt": "  "}
     rows = seed.to_pylist() + [too_long, empty]
+    for i, r in enumerate(rows):  # per-row features ride along: both engines get the same requests
+        r["system"] = "Answer in one sentence." if i % 5 == 1 else None
+        r["stop"] = ["."] if i % 5 == 2 else None
+        r["source"] = f"src-{i % 3}"
     inp = root / "in.parquet"
     pq.write_table(__import__("pyarrow").Table.from_pylist(rows), inp)
     out = {}
     for engine in ENGINES:
         cfg = RunConfig(inputs=(str(inp),), output_dir=str(root), run_id=engine, engine=engine, shard_size=7,
                         engine_config=EngineConfig(max_num_seqs=4, max_model_len=512),
-                        sampling=SamplingParams(max_tokens=24), progress=False)
+                        sampling=SamplingParams(max_tokens=24, logprobs=2), keep_columns=("source",),
+                        progress=False)
         summary = generate(cfg, probe=False)
         out[engine] = (summary, root / engine)
     return out
@@ -47,6 +52,30 @@ def test_same_schema(runs, engine):
     t = tables(runs[engine][1])
     for name, schema in SCHEMAS.items():
         assert t[name].select(schema.names).schema == schema, name
+    assert {r["source"] for r in t["requests"].to_pylist() + t["errors"].to_pylist()} == {"src-0", "src-1", "src-2"}
+
+
+def test_same_seeds_stops_and_logprobs_on_both_engines(runs):
+    """Seeds are derived before the engine; a row's stop ends it on either engine; logprobs agree."""
+    native, vllm = (tables(runs[e][1]) for e in ENGINES)
+    for t in (native, vllm):
+        req = {r["id"]: r for r in t["requests"].to_pylist()}
+        stopped = [r for r in req.values() if r["finish_reason"] == "stop" and "." not in r["text"]]
+        assert stopped  # rows with stop ["."] ended there, the stop string cut from the text
+        assert all(tok["logprob"] is not None and len(tok["top_logprobs"]) == 2 for tok in t["tokens"].to_pylist())
+    seeds = [{r["id"]: r["seed"] for r in t["requests"].to_pylist()} for t in (native, vllm)]
+    assert seeds[0] == seeds[1] and None not in seeds[0].values()
+    n_tok = {(x["request_id"], x["token_index"]): x for x in native["tokens"].to_pylist()}
+    close = same = 0
+    for x in vllm["tokens"].to_pylist():
+        y = n_tok.get((x["request_id"], x["token_index"]))
+        if y is None or y["token_id"] != x["token_id"]:
+            continue
+        same += 1
+        close += abs(x["logprob"] - y["logprob"]) < 1e-2 and [a["token_id"] for a in x["top_logprobs"]] == \
+            [a["token_id"] for a in y["top_logprobs"]]
+    print(f"\nlogprobs: {close} of {same} shared tokens agree within 1e-2 with the same top-2")
+    assert same > 50 and close / same > 0.9
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -183,3 +212,51 @@ def test_dead_vllm_engine_fails_the_run_and_a_rerun_resumes(tmp_path, runs):
     assert summary.resumed and summary.rows == 6 and summary.ok == 6
     ids = tables(tmp_path / "dies")["requests"].column("id").to_pylist()
     assert sorted(ids) == sorted(pq.read_table(inp).column("id").to_pylist())
+
+
+def test_vllm_options_are_checked_against_engine_args_before_any_work(tmp_path, capsys):
+    """Every EngineArgs field passes; a typo gets the close matches; a key batchgen owns names its flag."""
+    from batchgen.cli import main
+    from batchgen.engine.vllm import check_vllm_options
+
+    from conftest import write_prompts
+
+    check_vllm_options({"enable_lora": True, "kv_cache_dtype": "auto", "trust_remote_code": False,
+                        "pipeline_parallel_size": 1, "data_parallel_size": 1})  # the keys the old allowlist refused
+    with pytest.raises(ValueError, match=r"'enable_prefix_cachin' is not a vllm EngineArgs field "
+                                         r"\(did you mean 'enable_prefix_caching'"):
+        check_vllm_options({"enable_prefix_cachin": True})
+    with pytest.raises(ValueError, match=r"'max_num_seqs' is set by batchgen: use --max-num-seqs"):
+        check_vllm_options({"max_num_seqs": 8})
+    inp = write_prompts(tmp_path / "in.parquet", ["x"])
+    assert main(["generate", "--engine", "vllm", "--input", str(inp), "--output", str(tmp_path / "runs"),
+                 "--vllm-option", "seed=3", "--no-progress"]) == 2
+    assert "'seed' is set by batchgen: use --seed" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # refused before the run directory was made
+
+
+def test_vllm_runs_a_family_the_native_engine_refuses(tmp_path, real_model_dir):
+    """vLLM reads the model itself: a config the native engine refuses (a sliding window here) runs."""
+    import json
+    import shutil
+
+    from batchgen.config import EngineConfig, SamplingParams
+    from batchgen.engine.vllm import VllmEngine
+    from batchgen.model.loader import ModelLoadError, read_model_config
+
+    d = tmp_path / "model"
+    shutil.copytree(real_model_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                                               "sliding_window": 64}))
+    with pytest.raises(ModelLoadError, match="Use --engine vllm"):
+        read_model_config(d)
+    engine = VllmEngine(d, EngineConfig(max_num_seqs=2, max_model_len=256))
+    try:
+        engine.add("a", engine.tokenizer.encode("The capital of France is"), SamplingParams(max_tokens=4))
+        done = []
+        while engine.has_unfinished():
+            done += engine.step().finished
+        assert len(done) == 1 and len(done[0].output_token_ids) >= 1
+    finally:
+        engine.close()

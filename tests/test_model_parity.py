@@ -192,3 +192,29 @@ def test_unsupported_architecture_and_missing_files_are_named(tmp_path, tiny_mod
         load_model(d)
     with pytest.raises(ModelLoadError, match="model directory not found"):
         read_model_config(tmp_path / "nope")
+
+
+def test_logprobs_are_hfs_raw_log_softmax(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    prompt, n = list(range(500, 512)), 6
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    g = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                    output_logits=True, return_dict_in_generate=True)
+    ref = [torch.log_softmax(step[0].float(), -1) for step in g.logits]  # raw logits of each new token
+    e = NativeEngine(tiny_model_dir, EngineConfig(max_num_seqs=2, max_model_len=128))
+    e.add("lp", prompt, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=3))
+    e.add("none", prompt, SamplingParams(max_tokens=n, ignore_eos=True))  # same batch, no logprobs
+    got = {"lp": [], "none": []}
+    while e.has_unfinished():
+        r = e.step()
+        for rid, lp, top in zip(r.token_request_ids, r.token_logprobs, r.token_top_logprobs):
+            got[rid].append((lp, top))
+    assert got["none"] == [(None, None)] * n
+    tokens = g.sequences[0, len(prompt):].tolist()
+    for step, (tok, (lp, top)) in enumerate(zip(tokens, got["lp"])):
+        assert lp == pytest.approx(ref[step][tok].item(), abs=1e-4)
+        ref_top = ref[step].topk(3)
+        assert [t for t, _ in top] == ref_top.indices.tolist()
+        assert [v for _, v in top] == pytest.approx(ref_top.values.tolist(), abs=1e-4)
+        assert top[0] == (tok, pytest.approx(lp))  # greedy picks the top one

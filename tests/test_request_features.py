@@ -104,3 +104,67 @@ def test_every_setting_has_exactly_one_cli_flag():
     add_settings_flags(p)
     dests = [a.dest for a in p._actions if a.dest != "help"]
     assert sorted(dests) == sorted(GenerateSettings.model_fields)
+
+
+def test_logprobs_land_in_tokens_per_run_and_per_row(tmp_path, tiny_model_dir):
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["run", "zero", "five"], "prompt": ["a b c", "d e f", "g h i"],
+                             "logprobs": pa.array([None, 0, 5], pa.int64())}), inp)
+    out = tmp_path / "runs"
+    assert main(cli_args(inp, out, tiny_model_dir, "r", "--logprobs", "2")) == 0
+    toks = read_run_table(out / "r", "tokens").to_pylist()
+    by = {}
+    for t in toks:
+        by.setdefault(t["request_id"], []).append(t)
+    assert all(t["logprob"] is not None and t["logprob"] <= 0 for t in toks)
+    assert all(len(t["top_logprobs"]) == 2 for t in by["run"])
+    assert all(t["top_logprobs"] is None for t in by["zero"])  # 0: the chosen token's only
+    assert all(len(t["top_logprobs"]) == 5 for t in by["five"])
+    for t in toks:  # greedy: the chosen token is the most likely one
+        if t["top_logprobs"]:
+            assert t["top_logprobs"][0]["token_id"] == t["token_id"]
+    assert main(cli_args(inp, out, tiny_model_dir, "off")) == 0
+    off = {t["request_id"]: t for t in read_run_table(out / "off", "tokens").to_pylist()}
+    assert off["run"]["logprob"] is None and off["five"]["top_logprobs"] is not None  # a row's column still asks
+
+
+def test_n_samples_are_rows_with_sample_index_and_their_own_seeds(tmp_path, tiny_model_dir):
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", "bad"], "prompt": ["one two", "three four", "  "],
+                             "n": pa.array([None, 1, None], pa.int64())}), inp)
+    out = tmp_path / "runs"
+    assert main(cli_args(inp, out, tiny_model_dir, "r", "--n", "3", "--temperature", "1.0", "--max-tokens", "6")) == 0
+    req = read_run_table(out / "r", "requests").to_pylist()
+    assert sorted((r["id"], r["sample_index"], r["num_samples"]) for r in req) == [
+        ("a", 0, 3), ("a", 1, 3), ("a", 2, 3), ("b", 0, 1)]
+    a = [r for r in req if r["id"] == "a"]
+    assert len({r["seed"] for r in a}) == 3 and len({tuple(r["output_token_ids"]) for r in a}) > 1
+    (err,) = read_run_table(out / "r", "errors").to_pylist()
+    assert err["id"] == "bad" and err["sample_index"] is None  # one error row covers every sample of the row
+    toks = read_run_table(out / "r", "tokens").to_pylist()
+    for r in req:
+        mine = [t for t in toks if (t["request_id"], t["sample_index"]) == (r["id"], r["sample_index"])]
+        assert [t["token_id"] for t in sorted(mine, key=lambda t: t["token_index"])] == r["output_token_ids"]
+    assert main(cli_args(inp, out, tiny_model_dir, "again", "--n", "3", "--temperature", "1.0", "--max-tokens", "6")) == 0
+    again = {(r["id"], r["sample_index"]): r["output_token_ids"] for r in read_run_table(out / "again", "requests").to_pylist()}
+    assert again == {(r["id"], r["sample_index"]): r["output_token_ids"] for r in req}  # seeded: the same samples
+
+
+def test_the_run_contract_counts_id_and_sample_pairs():
+    from batchgen.data.run import exactly_once_problems
+    from batchgen.data.writer import SCHEMAS
+
+    def t(name, rows):
+        return pa.Table.from_pylist([dict(zip(("id", "sample_index", "num_samples"), r)) for r in rows],
+                                    schema=SCHEMAS[name])
+
+    ids = pa.array(["x", "y"])
+    ok = exactly_once_problems(t("requests", [("x", 0, 2), ("y", 0, 1)]), t("errors", [("x", 1, 2)]), ids)
+    assert ok is None  # sample 1 of x failed alone; the rest were generated
+    assert exactly_once_problems(t("requests", [("y", 0, 1)]), t("errors", [("x", None, None)]), ids) is None
+    missing = exactly_once_problems(t("requests", [("x", 0, 2), ("y", 0, 1)]), t("errors", []), ids)
+    assert "1 ids do not have each of their samples exactly once (e.g. 'x')" in missing
+    twice = exactly_once_problems(t("requests", [("x", 0, 1), ("x", 0, 1), ("y", 0, 1)]), t("errors", []), ids)
+    assert "1 (id, sample) pairs appear more than once" in twice
+    both = exactly_once_problems(t("requests", [("x", 0, 1), ("y", 0, 1)]), t("errors", [("x", None, None)]), ids)
+    assert both is not None and "'x'" in both

@@ -84,7 +84,10 @@ def test_success_needs_the_same_id_set_not_only_the_same_count(tmp_path, dataset
     out, run = tmp_path / "runs", tmp_path / "runs" / "r"
     assert main(cli_args(dataset, out, tiny_model_dir, "r")) == 0
     rd = RunDir(run)
-    errors = pa.table({"id": ["not-an-input-id"], "error": ["x"], "stage": ["validate"]})
+    from batchgen.data.writer import SCHEMAS
+
+    errors = pa.Table.from_pylist([{"id": "not-an-input-id", "error": "x", "stage": "validate"}],
+                                  schema=SCHEMAS["errors"])
     requests = read_run_table(run, "requests")
     keep = requests.filter(pa.compute.not_equal(requests.column("id"), "id00"))
     tables = {t: read_run_table(run, t) for t in ("tokens", "steps")}
@@ -208,3 +211,15 @@ def test_report_on_a_run_with_nothing_committed_is_a_clear_error(tmp_path, datas
     assert killed.returncode == -signal.SIGKILL
     assert main(["report", str(run)]) == 2
     assert "no shard is committed yet" in capsys.readouterr().err
+
+
+def test_sigkill_then_resume_with_samples_counts_each_sample_once(tmp_path, dataset, tiny_model_dir):
+    out, extra = tmp_path / "runs", ["--n", "2", "--temperature", "0.7"]
+    killed = run_cli_subprocess(cli_args(dataset, out, tiny_model_dir, "r", *extra), kill_at="step:5")
+    assert killed.returncode == -signal.SIGKILL
+    assert main(cli_args(dataset, out, tiny_model_dir, "r", *extra)) == 0
+    assert main(cli_args(dataset, out, tiny_model_dir, "clean", *extra)) == 0
+    got = {(r["id"], r["sample_index"]): r["output_token_ids"] for r in read_run_table(out / "r", "requests").to_pylist()}
+    ref = {(r["id"], r["sample_index"]): r["output_token_ids"] for r in read_run_table(out / "clean", "requests").to_pylist()}
+    assert got == ref and len(got) == 2 * N_ROWS
+    assert read_run_table(out / "r", "tokens").num_rows == sum(len(v) for v in got.values())

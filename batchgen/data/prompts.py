@@ -20,6 +20,22 @@ class PreparedRow:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     truncated_from: int | None = None  # original prompt length when the too_long policy truncated it
+    n: int = 1  # samples to generate from this prompt
+
+    def samples(self) -> list["PreparedRow"]:
+        """One request per sample. Sample 0 keeps the row's seed; sample k > 0 derives its own from it,
+        so every sample differs, and each is the same on a re-run and on either engine."""
+        if self.n == 1:
+            return [self]
+        return [replace(self, id=sample_request_id(self.id, k), n=1,
+                        sampling=self.sampling if k == 0 else replace(self.sampling,
+                                                                      seed=derive_seed(self.sampling.seed, f"sample-{k}")))
+                for k in range(self.n)]
+
+
+def sample_request_id(row_id: str, k: int) -> str:
+    """The engine's id for sample k of a row (the writer maps it back to (id, sample_index))."""
+    return f"{row_id}\x1e{k}"
 
 
 @dataclass
@@ -49,7 +65,8 @@ def _messages(value: Any) -> list[dict[str, str]]:
 
 # What each integer parameter may hold: a seed is a signed 64-bit value (what every engine and the
 # sampler's hash take); counts fit in 32 bits. Outside these a row is refused, never the run.
-INT_RANGES = {"max_tokens": (1, 2**31 - 1), "top_k": (0, 2**31 - 1), "seed": (-(2**63), 2**63 - 1)}
+INT_RANGES = {"max_tokens": (1, 2**31 - 1), "top_k": (0, 2**31 - 1), "seed": (-(2**63), 2**63 - 1),
+              "logprobs": (0, 2**31 - 1), "n": (1, 1024)}
 
 
 def _stop(value: Any) -> tuple[str, ...] | None:
@@ -107,19 +124,22 @@ class InputProcessor:
     """Applies the chat template, tokenizes, merges per-row parameters and the too_long policy."""
 
     def __init__(self, tokenizer, max_model_len: int, defaults: SamplingParams, too_long: str = "error",
-                 run_seed: int = 0, chat_template_kwargs: dict[str, Any] | None = None):
+                 run_seed: int = 0, chat_template_kwargs: dict[str, Any] | None = None, n: int = 1):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.defaults = defaults
         self.too_long = too_long
         self.run_seed = run_seed
         self.chat_template_kwargs = chat_template_kwargs or {}
+        self.n = n
 
     def process(self, row: dict[str, Any]) -> PreparedRow | RowError:
         rid = row["id"]
         try:
             overrides = {k: _param(row, k, t) for k, t in
-                         (("max_tokens", int), ("temperature", float), ("top_p", float), ("top_k", int), ("seed", int))}
+                         (("max_tokens", int), ("temperature", float), ("top_p", float), ("top_k", int), ("seed", int),
+                          ("logprobs", int))}
+            n = _param(row, "n", int) or self.n
             overrides["stop"] = _stop(row.get("stop"))
             sampling = replace(self.defaults, **{k: v for k, v in overrides.items() if v is not None})
             if sampling.seed is None:  # derived here, where rows become requests, so every engine gets the same
@@ -143,8 +163,8 @@ class InputProcessor:
             if self.too_long == "error":
                 return RowError(rid, f"prompt has {len(ids)} tokens, more than the {limit} that fit "
                                      f"max_model_len {self.max_model_len} (policy too_long=error)", "tokenize")
-            return PreparedRow(rid, ids[-limit:], sampling, truncated_from=len(ids))  # keep the end, like vLLM
-        return PreparedRow(rid, ids, sampling)
+            return PreparedRow(rid, ids[-limit:], sampling, truncated_from=len(ids), n=n)  # keep the end, like vLLM
+        return PreparedRow(rid, ids, sampling, n=n)
 
     def _render(self, row: dict[str, Any]) -> str:
         """The prompt text: a `prompt` used as is, or chat messages rendered with the model's template.

@@ -178,12 +178,9 @@ class RunDir:
         """Check exactly-once for the shard, write its files under attempt-unique names, make them
         durable, then write the manifest that commits them. `fence` (the shard's lease) is checked
         just before the manifest, so an attempt whose lease was taken over never commits."""
-        done = pa.concat_arrays([tables[t].column("id").combine_chunks().cast(pa.string())
-                                 for t in ("requests", "errors")])
-        if len(done) != len(input_ids) or pc.count_distinct(done).as_py() != len(done) or \
-                not pc.all(pc.is_in(input_ids, value_set=done)).as_py():
-            raise RunError(f"shard {index}: outputs do not account for every input row exactly once "
-                           f"({len(input_ids)} in, {len(done)} out)")
+        problems = exactly_once_problems(tables["requests"], tables["errors"], input_ids)
+        if problems:
+            raise RunError(f"shard {index}: outputs do not account for every input row exactly once: {problems}")
         name, attempt = self.shard_name(index), uuid.uuid4().hex[:12]
         files = []
         for i, t in enumerate(TABLES):
@@ -257,22 +254,45 @@ class RunDir:
             ok, problem = self.check_shard(m["shard"])
             if not ok:
                 raise RunError(f"run {self.path.name}: {problem}; run the same command again to redo the shard")
-        out = pa.concat_arrays([self.read_table(t, ["id"]).column("id").combine_chunks() for t in ("requests", "errors")])
-        n, distinct = len(out), (pc.count_distinct(out).as_py() if len(out) else 0)
-        missing = pc.filter(input_ids, pc.invert(pc.is_in(input_ids, value_set=out)))
-        unexpected = pc.filter(out, pc.invert(pc.is_in(out, value_set=input_ids)))
-        if n != len(input_ids) or distinct != n or len(missing) or len(unexpected):
-            detail = []
-            if len(missing):
-                detail.append(f"{len(missing)} input ids have no output (e.g. {missing[0].as_py()!r})")
-            if len(unexpected):
-                detail.append(f"{len(unexpected)} output ids are not in the input (e.g. {unexpected[0].as_py()!r})")
-            if distinct != n:
-                detail.append(f"{n - distinct} ids appear more than once")
-            raise RunError(f"run {self.path.name}: {len(input_ids)} input rows but {n} output rows "
-                           f"({'; '.join(detail) or 'counts differ'}); not marking success")
-        return {"rows": n, "ok": sum(m["ok"] for m in manifests), "errors": sum(m["errors"] for m in manifests),
-                "shards": num_shards}
+        cols = ["id", "sample_index", "num_samples"]
+        problems = exactly_once_problems(self.read_table("requests", cols), self.read_table("errors", cols), input_ids)
+        if problems:
+            raise RunError(f"run {self.path.name}: {len(input_ids)} input rows, but {problems}; not marking success")
+        return {"rows": len(input_ids), "ok": sum(m["ok"] for m in manifests),
+                "errors": sum(m["errors"] for m in manifests), "shards": num_shards}
 
     def mark_success(self, summary: dict[str, int]) -> None:
         durable_write(self.path / "_SUCCESS", json.dumps(summary).encode())
+
+
+def exactly_once_problems(requests: pa.Table, errors: pa.Table, input_ids: pa.Array) -> str | None:
+    """What is wrong with the claim "every input row ends in exactly one place", or None.
+
+    Each input id must have either one error row for the whole row (sample_index null), or, for each
+    of its num_samples samples, exactly one row in requests/ or errors/ with that sample_index."""
+    cols = ["id", "sample_index", "num_samples"]
+    units = pa.concat_tables([requests.select(cols), errors.select(cols)])
+    ids = units.column("id").combine_chunks()
+    index = pc.fill_null(units.column("sample_index"), -1)
+    detail = []
+    missing = pc.filter(input_ids, pc.invert(pc.is_in(input_ids, value_set=ids)))
+    if len(missing):
+        detail.append(f"{len(missing)} input ids have no output (e.g. {missing[0].as_py()!r})")
+    unexpected = pc.filter(ids, pc.invert(pc.is_in(ids, value_set=input_ids)))
+    if len(unexpected):
+        detail.append(f"{len(unexpected)} output ids are not in the input (e.g. {unexpected[0].as_py()!r})")
+    keys = pc.binary_join_element_wise(ids, pc.cast(index, pa.string()), "\x1e")
+    if len(units) and pc.count_distinct(keys).as_py() != len(units):
+        detail.append(f"{len(units) - pc.count_distinct(keys).as_py()} (id, sample) pairs appear more than once")
+    per_id = pa.table({"id": ids, "i": index, "n": units.column("num_samples")}).group_by("id").aggregate(
+        [("i", "count"), ("i", "min"), ("i", "max"), ("n", "max")])
+    whole = pc.equal(per_id.column("i_min"), -1)
+    bad_whole = pc.and_(whole, pc.not_equal(per_id.column("i_count"), 1))
+    n = per_id.column("n_max")
+    bad_samples = pc.and_kleene(pc.invert(whole), pc.or_kleene(
+        pc.or_(pc.not_equal(per_id.column("i_count"), n), pc.not_equal(per_id.column("i_min"), 0)),
+        pc.not_equal(per_id.column("i_max"), pc.subtract(n, 1))))
+    broken = pc.filter(per_id.column("id"), pc.or_(bad_whole, pc.fill_null(bad_samples, True)))
+    if len(broken):
+        detail.append(f"{len(broken)} ids do not have each of their samples exactly once (e.g. {broken[0].as_py()!r})")
+    return "; ".join(detail) or None

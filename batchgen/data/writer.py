@@ -12,16 +12,21 @@ from batchgen.data.prompts import RowError
 
 F64 = pa.float64()
 REQUESTS_SCHEMA = pa.schema([
-    ("id", pa.string()), ("prompt_tokens", pa.int32()), ("output_tokens", pa.int32()),
+    ("id", pa.string()), ("sample_index", pa.int32()), ("num_samples", pa.int32()), ("prompt_tokens", pa.int32()), ("output_tokens", pa.int32()),
     ("output_token_ids", pa.list_(pa.int32())), ("text", pa.string()), ("finish_reason", pa.string()),
     ("enqueue_t", F64), ("schedule_t", F64), ("first_token_t", F64), ("last_token_t", F64),
     ("queue_s", F64), ("ttft_s", F64), ("prefill_s", F64), ("tpot_s", F64), ("e2e_s", F64),
     ("prompt_truncated_from", pa.int32()), ("num_cached_tokens", pa.int32()), ("num_preemptions", pa.int32()),
+    ("seed", pa.int64()),  # the sampling seed the request ran with (the row's, or derived from the run seed and id)
 ])
-ERRORS_SCHEMA = pa.schema([("id", pa.string()), ("error", pa.string()), ("stage", pa.string())])
+# sample_index / num_samples are null when the error covers the whole input row (every sample of it)
+ERRORS_SCHEMA = pa.schema([("id", pa.string()), ("error", pa.string()), ("stage", pa.string()),
+                           ("sample_index", pa.int32()), ("num_samples", pa.int32())])
 TOKENS_SCHEMA = pa.schema([
-    ("request_id", pa.string()), ("token_index", pa.int32()), ("step_id", pa.int64()), ("t", F64),
+    ("request_id", pa.string()), ("sample_index", pa.int32()), ("token_index", pa.int32()), ("step_id", pa.int64()), ("t", F64),
     ("itl_s", F64), ("context_len", pa.int32()), ("concurrency", pa.int32()), ("token_id", pa.int32()),
+    ("logprob", pa.float32()),  # the chosen token's log-probability under the model (raw logits), when asked
+    ("top_logprobs", pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())]))),
 ])
 STEPS_SCHEMA = pa.schema([
     ("step_id", pa.int64()), ("start_t", F64), ("end_t", F64), ("num_running", pa.int32()),
@@ -43,6 +48,9 @@ class ShardWriter:
         self.steps: dict[str, list] = {f: [] for f in STEPS_SCHEMA.names}
         self._last_t: dict[str, float] = {}
         self.truncated: dict[str, int] = {}
+        self.seeds: dict[str, int] = {}
+        # engine request id -> (input row id, sample index, samples of the row); ids not here are rows of n = 1
+        self.samples: dict[str, tuple[str, int, int]] = {}
         self.num_output_tokens = 0
 
     def keep(self, row: dict) -> None:
@@ -51,9 +59,12 @@ class ShardWriter:
             self._kept[row["id"]] = {c: row.get(c) for c in self.kept_schema.names}
 
     def add_error(self, err: RowError) -> None:
+        """An error row: for the whole input row, or (by its engine request id) for one sample of it."""
         self.errors["id"].append(err.id)
         self.errors["error"].append(err.error)
         self.errors["stage"].append(err.stage)
+        self.errors["sample_index"].append(None)  # filled in tables() for sample requests
+        self.errors["num_samples"].append(None)
 
     def add_step(self, r) -> None:
         """r: batchgen.engine.StepResult."""
@@ -68,6 +79,9 @@ class ShardWriter:
         tok["step_id"] += [r.step_id] * n
         tok["t"] += [r.end_t] * n
         tok["concurrency"] += [r.num_running] * n
+        tok["logprob"] += r.token_logprobs or [None] * n
+        tok["top_logprobs"] += ([None if t is None else [{"token_id": i, "logprob": lp} for i, lp in t]
+                                 for t in r.token_top_logprobs] or [None] * n)
         last = self._last_t
         for rid in r.token_request_ids:
             prev = last.get(rid)
@@ -112,11 +126,24 @@ class ShardWriter:
         q["prompt_truncated_from"].append(self.truncated.pop(f.request_id, None))
         q["num_cached_tokens"].append(f.num_cached_tokens)
         q["num_preemptions"].append(f.num_preemptions)
+        q["seed"].append(self.seeds.pop(f.request_id, None))
         self._last_t.pop(f.request_id, None)
+
+    def _to_rows(self, cols: dict[str, list], id_col: str, num_col: str | None, default_index) -> None:
+        """Engine request ids -> input row ids, with each request's sample index (and count)."""
+        ids = cols[id_col]
+        mapped = [self.samples.get(i) for i in ids]
+        cols["sample_index"] = [m[1] if m else default_index for m in mapped]
+        if num_col:
+            cols[num_col] = [m[2] if m else (1 if default_index == 0 else None) for m in mapped]
+        cols[id_col] = [m[0] if m else i for m, i in zip(mapped, ids)]
 
     def tables(self) -> dict[str, pa.Table]:
         token_ids = self._token_ids()
         self.tokens["token_id"] = token_ids
+        self._to_rows(self.requests, "id", "num_samples", 0)
+        self._to_rows(self.tokens, "request_id", None, 0)
+        self._to_rows(self.errors, "id", "num_samples", None)
         out = {}
         for name, cols in (("requests", self.requests), ("errors", self.errors), ("tokens", self.tokens),
                            ("steps", self.steps)):

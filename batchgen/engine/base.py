@@ -62,6 +62,9 @@ class StepResult:
     token_request_ids: list[str] = field(default_factory=list)
     token_indices: list[int] = field(default_factory=list)
     token_context_lens: list[int] = field(default_factory=list)
+    # where the request asked for logprobs (None elsewhere): the chosen token's, and the top alternatives
+    token_logprobs: list[float | None] = field(default_factory=list)
+    token_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     finished: list[FinishedRequest] = field(default_factory=list)
 
 

@@ -26,20 +26,46 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size, device)
         self.num_computed_positions = 0  # positions run through the model (the lab's count)
 
-    def execute(self, chunks: list[Chunk]) -> list[int]:
-        """Run the step; returns one sampled token per chunk that reaches its request's end, in order."""
+    def execute(self, chunks: list[Chunk]) -> tuple[list[int], list[tuple[float, list] | None] | None]:
+        """Run the step. Returns one sampled token per chunk that reaches its request's end, in order,
+        and, when any of them asked for logprobs, (chosen logprob, [(token, logprob)] top k) or None each."""
         sampling = [c.request for c in chunks if c.samples]
         if self.kv is None:  # without a cache only the chunks that sample need a pass (the lab's baseline)
             if not sampling:
-                return []
+                return [], None
             logits = self._recompute(sampling)
         else:
             logits = self._forward(chunks)
             if not sampling:  # only prompt chunks short of their end: still wait for the device, so
                 if self.device.startswith("cuda"):  # the step's end time is when its work is done
                     torch.cuda.synchronize(self.device)
-                return []
-        return self._sample(logits, sampling).tolist()  # the one host sync
+                return [], None
+        tokens = self._sample(logits, sampling)
+        wants = [r.sampling.logprobs for r in sampling]
+        if all(k is None for k in wants):
+            return tokens.tolist(), None  # the one host sync
+        return self._with_logprobs(logits, tokens, wants)
+
+    @staticmethod
+    def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, wants: list[int | None]):
+        """Log-probabilities of the raw model distribution (before temperature and top-k/p, as vLLM's
+        default raw_logprobs): the chosen token's and the top k, read back in the same single sync."""
+        R, k = tokens.shape[0], max(w or 0 for w in wants)
+        lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+        chosen = lp.gather(1, tokens[:, None])[:, 0]  # [R]
+        top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], tokens[:, None][:, :0])  # [R, k]
+        # float64 holds token ids exactly, so everything comes back in one transfer
+        flat = torch.cat([tokens.double(), chosen.double(), top_v.double().flatten(), top_i.double().flatten()]).tolist()
+        toks = [int(t) for t in flat[:R]]
+        top_vals, top_ids = flat[2 * R:2 * R + R * k], flat[2 * R + R * k:]
+        info = []
+        for r, w in enumerate(wants):
+            if w is None:
+                info.append(None)
+                continue
+            alts = [(int(top_ids[r * k + j]), top_vals[r * k + j]) for j in range(w)]
+            info.append((flat[R + r], alts))
+        return toks, info
 
     # ---- the paged forward -------------------------------------------------------------------------
 

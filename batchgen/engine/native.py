@@ -89,9 +89,9 @@ class NativeEngine(Engine):
         sched = self.scheduler.schedule()
         if fault_requests_active():
             fail_if_poisoned([c.request.request_id for c in sched.chunks])
-        sampled = self.runner.execute(sched.chunks)  # one host sync
+        sampled, logprobs = self.runner.execute(sched.chunks)  # one host sync
         end_t = self.clock()
-        return self._postprocess(sched, sampled, start_t, end_t)
+        return self._postprocess(sched, sampled, logprobs, start_t, end_t)
 
     def conditions(self) -> dict[str, Any]:
         c, kv = self.config, self.runner.kv
@@ -110,7 +110,8 @@ class NativeEngine(Engine):
 
     # ---- bookkeeping (host side) ---------------------------------------------------------------
 
-    def _postprocess(self, sched: SchedulerOutput, sampled: list[int], start_t: float, end_t: float) -> StepResult:
+    def _postprocess(self, sched: SchedulerOutput, sampled: list[int], logprobs: list | None, start_t: float,
+                     end_t: float) -> StepResult:
         self._step_id += 1
         res = StepResult(step_id=self._step_id, start_t=start_t, end_t=end_t, num_running=sched.num_running,
                          num_waiting=sched.num_waiting,
@@ -118,6 +119,7 @@ class NativeEngine(Engine):
                          sum_context_len=0, bytes_read=0, num_preempted=len(sched.preempted),
                          num_cached_tokens=sched.num_cached_tokens, num_lookup_tokens=sched.num_lookup_tokens)
         samples = iter(sampled)
+        lps = iter(logprobs) if logprobs is not None else None
         sum_ctx = 0
         for chunk in sched.chunks:
             r = chunk.request
@@ -132,6 +134,10 @@ class NativeEngine(Engine):
             res.token_request_ids.append(r.request_id)
             res.token_indices.append(len(r.output_token_ids))
             res.token_context_lens.append(context_len)
+            if lps is not None:
+                lp = next(lps)
+                res.token_logprobs.append(None if lp is None else lp[0])
+                res.token_top_logprobs.append(None if lp is None or r.sampling.logprobs == 0 else lp[1])
             r.output_token_ids.append(tok)
             if r.first_token_t is None:
                 r.first_token_t = end_t

@@ -93,10 +93,23 @@ def _stat_logger_factory(holder: _StepStats):
     return Recorder
 
 
-class _Tracked:
-    __slots__ = ("prompt_tokens", "token_ids", "text", "enqueue_t", "schedule_t", "first_token_t", "last_token_t")
+def _logprobs(entry, tok: int, k: int | None) -> tuple[float | None, list[tuple[int, float]] | None]:
+    """vLLM's {token_id: Logprob(logprob, rank)} for one token -> (chosen logprob, top k by rank)."""
+    if entry is None or k is None:
+        return None, None
+    chosen = entry[tok].logprob if tok in entry else None
+    if not k:
+        return chosen, None
+    ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k))
+    return chosen, [(tid, lp) for _, tid, lp in ranked[:k]]
 
-    def __init__(self, prompt_tokens: int, enqueue_t: float):
+
+class _Tracked:
+    __slots__ = ("prompt_tokens", "token_ids", "text", "enqueue_t", "schedule_t", "first_token_t", "last_token_t",
+                 "logprobs")
+
+    def __init__(self, prompt_tokens: int, enqueue_t: float, logprobs: int | None = None):
+        self.logprobs = logprobs
         self.prompt_tokens = prompt_tokens
         self.token_ids: list[int] = []
         self.text = ""
@@ -164,6 +177,7 @@ class VllmEngine(Engine):
         params = VllmSamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                                     top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
                                     stop=list(sampling.stop) or None, ignore_eos=sampling.ignore_eos,
+                                    logprobs=sampling.logprobs,
                                     output_kind=RequestOutputKind.DELTA, skip_special_tokens=True)
         if self._core_dead():  # vLLM would block forever on a call to a dead core
             raise EngineDied("vLLM's engine core died; the shard fails and is redone on retry or resume")
@@ -174,7 +188,7 @@ class VllmEngine(Engine):
             if "Dead" in type(e).__name__:  # EngineDeadError: the shard fails and is retried, not a row error
                 raise
             raise RequestRejected(f"vllm rejected the request: {e}") from None
-        self._requests[request_id] = _Tracked(len(prompt_token_ids), enqueue_t)
+        self._requests[request_id] = _Tracked(len(prompt_token_ids), enqueue_t, sampling.logprobs)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -235,11 +249,15 @@ class VllmEngine(Engine):
                 sched_ts = getattr(getattr(out, "metrics", None), "scheduled_ts", 0.0) or 0.0
                 tracked.schedule_t = (max(end_t - (now_mono - sched_ts), tracked.enqueue_t)
                                       if 0 < sched_ts <= now_mono else start_t)
-            for tok in new_ids:
+            step_lps = completion.logprobs if tracked.logprobs is not None else None
+            for j, tok in enumerate(new_ids):
                 ctx = tracked.prompt_tokens + len(tracked.token_ids)
                 res.token_request_ids.append(out.request_id)
                 res.token_indices.append(len(tracked.token_ids))
                 res.token_context_lens.append(ctx)
+                chosen, top = _logprobs(step_lps[j] if step_lps else None, tok, tracked.logprobs)
+                res.token_logprobs.append(chosen)
+                res.token_top_logprobs.append(top)
                 res.sum_context_len += ctx
                 tracked.token_ids.append(tok)
             if new_ids:  # like the native engine: the time step() returned, after the device synced
