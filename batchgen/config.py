@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 TOO_LONG_POLICIES = ("error", "truncate")
@@ -54,11 +54,23 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int | None = None
+    # Gemma 2: GeGLU, (1 + w) norms, sandwich norms, a scaled embedding, soft-capped logits
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh"
+    norm_plus_one: bool = False  # RMSNorm scales by (1 + w)
+    sandwich_norms: bool = False  # also norms the attention's and the MLP's outputs
+    embed_scale: float = 1.0
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (else head_dim's)
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sliding_window: int | None = None  # keys within this many positions, on the layers listed
+    sliding_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _require(self.model_type in SUPPORTED_ARCHITECTURES,
                  f"unsupported architecture {self.model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         _require(self.rope_type in ROPE_TYPES, f"unsupported rope_type {self.rope_type!r}")
+        _require(self.hidden_act in ("silu", "gelu_pytorch_tanh"),
+                 f"the native engine does not implement activation {self.hidden_act!r}; use --engine vllm")
         _require(self.num_heads % self.num_kv_heads == 0,
                  f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})")
 
@@ -77,9 +89,16 @@ class ModelConfig:
             raise ConfigError(f"the native engine does not implement rope_type {rope_type!r} (it has "
                               f"{', '.join(ROPE_TYPES)}). Use --engine vllm, which runs it")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        if window and window < cfg.get("max_position_embeddings", 2048):
-            raise ConfigError(f"the native engine does not implement sliding-window attention (sliding_window "
-                              f"{window}). Use --engine vllm, which runs it")
+        layer_types = cfg.get("layer_types")
+        if not window:
+            sliding: tuple[int, ...] = ()
+        elif layer_types:
+            sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+        elif model_type == "gemma2":  # older configs: local attention on every other layer, from the first
+            sliding = tuple(range(0, cfg["num_hidden_layers"], 2))
+        else:  # Mistral-style: every layer
+            sliding = tuple(range(cfg["num_hidden_layers"]))
+        gemma = model_type == "gemma2"
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos: list[int] = []
@@ -112,6 +131,13 @@ class ModelConfig:
             rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
             rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
             rope_original_max_position=rope.get("original_max_position_embeddings"),
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            norm_plus_one=gemma, sandwich_norms=gemma,
+            embed_scale=float(cfg["hidden_size"]) ** 0.5 if gemma else 1.0,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
+            attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
+            final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
+            sliding_window=window if sliding else None, sliding_layers=sliding,
         )
 
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
@@ -130,6 +156,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: the chosen token's logprob; k: also the top k alternatives
+    structured: str | None = None  # canonical response_format spec (batchgen.data.response_format), or None
+    lora: str | None = None  # the name of a LoRA adapter of the run (vLLM engine)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
@@ -220,6 +248,7 @@ class RunConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     engine_options: tuple[tuple[str, Any], ...] = ()  # backend-specific knobs (vllm), as sorted pairs
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()  # template variables for every row, as sorted pairs
+    lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, local adapter dir) a row's lora column picks from
     keep_columns: tuple[str, ...] = ()  # input columns carried into requests/ and errors/
     n: int = 1  # samples per prompt (a row's n column wins)
     progress: bool = True

@@ -69,6 +69,7 @@ def run_identity(cfg: RunConfig, model_dir: Path, input_fingerprint: str) -> dic
                 "engine_options": [list(p) for p in cfg.engine_options], "input_fingerprint": input_fingerprint,
                 "shard_size": cfg.shard_size, "too_long": cfg.too_long,
                 "chat_template_kwargs": [list(p) for p in cfg.chat_template_kwargs], "n": cfg.n,
+                "lora_adapters": [list(p) for p in cfg.lora_adapters],
                 "keep_columns": list(cfg.keep_columns)}
     return json.loads(json.dumps(identity, default=str))  # compare as it is stored
 
@@ -105,12 +106,14 @@ _ENGINES: dict[tuple, Engine] = {}
 
 def load_engine(cfg: RunConfig, model_dir: Path) -> Engine:
     """One engine per process and configuration, reused across shards (and across runs)."""
-    key = (cfg.engine, str(model_dir), cfg.engine_config, json.dumps(cfg.engine_options, sort_keys=True, default=str))
+    key = (cfg.engine, str(model_dir), cfg.engine_config, json.dumps(cfg.engine_options, sort_keys=True, default=str),
+           cfg.lora_adapters)
     if key not in _ENGINES:
         for old in _ENGINES.values():
             old.close()  # one model on the device at a time
         _ENGINES.clear()
-        _ENGINES[key] = create_engine(cfg.engine, model_dir, cfg.engine_config, options=dict(cfg.engine_options))
+        _ENGINES[key] = create_engine(cfg.engine, model_dir, cfg.engine_config, options=dict(cfg.engine_options),
+                                      lora_adapters=dict(cfg.lora_adapters))
     return _ENGINES[key]
 
 
@@ -146,7 +149,8 @@ def run_shard(cfg: RunConfig, run: RunDir, dataset: PromptDataset, engine: Engin
         shard = shard or dataset.read_shard(index, cfg.shard_size)
         engine.clock = RunClock(run.read_json()["run_start_wall"])
         processor = InputProcessor(engine.tokenizer, engine.max_model_len, cfg.sampling, cfg.too_long,
-                                   cfg.engine_config.seed, dict(cfg.chat_template_kwargs), cfg.n)
+                                   cfg.engine_config.seed, dict(cfg.chat_template_kwargs), cfg.n,
+                                   tuple(name for name, _ in cfg.lora_adapters))
         writer = ShardWriter(pa.schema([dataset.schema.field(c) for c in cfg.keep_columns]))
         prepared = []
         for row in shard.rows():

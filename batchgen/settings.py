@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from batchgen.config import EngineConfig, RunConfig, SamplingParams
+from batchgen.data.response_format import normalise_response_format
 
 
 class GenerateSettings(BaseModel):
@@ -31,6 +32,10 @@ class GenerateSettings(BaseModel):
     seed: int = Field(0, title="Run seed", description="rows without a seed column derive theirs from it and their id")
     stop: list[str] = Field(default_factory=list, title="Stop strings")
     ignore_eos: bool = Field(False, title="Ignore EOS")
+    response_format: str | None = Field(None, title="Response format (JSON)",
+                                        description='as in the OpenAI API, e.g. {"type": "json_schema", '
+                                                    '"json_schema": {"schema": {...}}}; also regex and choice; '
+                                                    "a row's response_format column wins")
     n: int = Field(1, ge=1, le=1024, title="Samples per prompt",
                    description="each sample is its own row in requests/ with sample_index (a row's n column wins)")
     logprobs: int | None = Field(None, ge=0, le=20, title="Logprobs",
@@ -63,9 +68,18 @@ class GenerateSettings(BaseModel):
         description="auto: FlashInfer's paged kernel on CUDA where installed, else the PyTorch path")
     shard_size: int = Field(1000, ge=1, title="Rows per shard")
     too_long: Literal["error", "truncate"] = Field("error", title="Prompts longer than the context")
+    lora_adapters: dict[str, str] = Field(default_factory=dict, title="LoRA adapters (vLLM engine)",
+                                          description="NAME=PATH of local PEFT adapter directories; a row's "
+                                                      "lora column names the one it uses")
     vllm: dict[str, Any] = Field(default_factory=dict, title="vLLM engine options",
                                  description="tensor_parallel_size, gpu_memory_utilization, enable_prefix_caching, ...")
     progress: bool = Field(True, title="Progress bar")
+
+    @field_validator("response_format")
+    @classmethod
+    def _valid_response_format(cls, v: str | None) -> str | None:
+        normalise_response_format(v)  # a ValueError names what is wrong
+        return v
 
     def to_run_config(self) -> RunConfig:
         return RunConfig(
@@ -80,10 +94,11 @@ class GenerateSettings(BaseModel):
                                        device=self.device, seed=self.seed, attention_backend=self.attention_backend),
             sampling=SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                                     top_k=self.top_k, stop=tuple(self.stop), ignore_eos=self.ignore_eos,
-                                    logprobs=self.logprobs),
+                                    logprobs=self.logprobs, structured=normalise_response_format(self.response_format)),
             engine_options=tuple(sorted(self.vllm.items())),
             chat_template_kwargs=tuple(sorted(self.chat_template_kwargs.items())),
-            keep_columns=tuple(self.keep_columns), n=self.n, progress=self.progress)
+            keep_columns=tuple(self.keep_columns), n=self.n, lora_adapters=tuple(sorted(self.lora_adapters.items())),
+            progress=self.progress)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -24,8 +24,8 @@ def real_model_dir() -> Path:
 def build_tiny_model(dest: Path, real_model_dir: Path, model_type: str = "llama", seed: int = 0) -> Path:
     """A 2-layer random-init checkpoint with SmolLM2's tokenizer, saved by transformers itself."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -39,6 +39,9 @@ def build_tiny_model(dest: Path, real_model_dir: Path, model_type: str = "llama"
         model = LlamaForCausalLM(LlamaConfig(**common, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64}))
+    elif model_type == "gemma2":  # GeGLU, (1 + w) and sandwich norms, soft caps, a window on every other layer
+        model = Gemma2ForCausalLM(Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                                               attn_implementation="eager"))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     model.save_pretrained(dest)

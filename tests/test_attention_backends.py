@@ -5,8 +5,8 @@ is documented to compute. The real kernel runs only on CUDA; this pins our side 
 import sys
 import types
 
+import pytest
 import torch
-import torch.nn.functional as F
 
 from batchgen.config import EngineConfig, SamplingParams
 from batchgen.engine.native import NativeEngine
@@ -20,9 +20,11 @@ class FakeBatchPrefillWithPagedKVCacheWrapper:
         self.plans = 0
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-             page_size, causal=False, sm_scale=None, q_data_type=None, kv_data_type=None):
+             page_size, causal=False, sm_scale=None, window_left=-1, logits_soft_cap=0.0, q_data_type=None,
+             kv_data_type=None):
         self.args = (qo_indptr.tolist(), kv_indptr.tolist(), kv_indices.tolist(), last_page_len.tolist())
         self.heads, self.page_size, self.causal, self.sm_scale = (num_qo_heads, num_kv_heads), page_size, causal, sm_scale
+        self.window_left, self.soft_cap = window_left, logits_soft_cap
         self.plans += 1
 
     def run(self, q, kv):
@@ -37,8 +39,15 @@ class FakeBatchPrefillWithPagedKVCacheWrapper:
             qi = q[qo[i]:qo[i + 1]].transpose(0, 1)  # [H, q_len, D]
             q_len = qi.shape[1]
             # causal, aligned to the end: query j sits at position kv_len - q_len + j
-            mask = torch.arange(kv_len)[None, :] <= (kv_len - q_len + torch.arange(q_len))[:, None]
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=self.sm_scale, enable_gqa=True)
+            q_pos = (kv_len - q_len + torch.arange(q_len))[:, None]
+            mask = torch.arange(kv_len)[None, :] <= q_pos
+            if self.window_left >= 0:
+                mask &= torch.arange(kv_len)[None, :] >= q_pos - self.window_left
+            g = qi.shape[0] // k.shape[0]
+            s = torch.matmul(qi, k.repeat_interleave(g, 0).transpose(-1, -2)).float() * self.sm_scale
+            if self.soft_cap:
+                s = torch.tanh(s / self.soft_cap) * self.soft_cap
+            o = torch.matmul(s.masked_fill(~mask, float("-inf")).softmax(-1), v.repeat_interleave(g, 0))
             out[qo[i]:qo[i + 1]] = o.transpose(0, 1)
         return out
 
@@ -64,11 +73,15 @@ def greedy(model_dir, backend, **kw):
     return out, preempted, e
 
 
-def test_flashinfer_plan_gives_the_torch_paths_tokens(monkeypatch, tiny_model_dir):
-    ref, _, torch_engine = greedy(tiny_model_dir, "torch")
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])  # gemma2: a sliding window and soft caps too
+def test_flashinfer_plan_gives_the_torch_paths_tokens(monkeypatch, tmp_path, real_model_dir, model_type):
+    from conftest import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path, real_model_dir, model_type)
+    ref, _, torch_engine = greedy(model_dir, "torch")
     assert torch_engine.runner.kv.layout == "HND"
     fake_flashinfer(monkeypatch)
-    got, preempted, e = greedy(tiny_model_dir, "flashinfer")
+    got, preempted, e = greedy(model_dir, "flashinfer")
     assert e.conditions()["attention_backend"] == "flashinfer-paged" and e.runner.kv.layout == "NHD"
     assert e.runner.attention.wrapper.plans > 0
     assert got == ref and len(got) == 5

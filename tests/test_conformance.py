@@ -236,7 +236,8 @@ def test_vllm_options_are_checked_against_engine_args_before_any_work(tmp_path, 
 
 
 def test_vllm_runs_a_family_the_native_engine_refuses(tmp_path, real_model_dir):
-    """vLLM reads the model itself: a config the native engine refuses (a sliding window here) runs."""
+    """vLLM reads the model itself: an architecture the native engine refuses (Granite, here the real
+    model's weights under Granite's config with unit multipliers) runs."""
     import json
     import shutil
 
@@ -247,8 +248,9 @@ def test_vllm_runs_a_family_the_native_engine_refuses(tmp_path, real_model_dir):
     d = tmp_path / "model"
     shutil.copytree(real_model_dir, d)
     cfg = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
-                                               "sliding_window": 64}))
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "granite", "architectures": ["GraniteForCausalLM"],
+                                               "embedding_multiplier": 1.0, "residual_multiplier": 1.0,
+                                               "attention_multiplier": 0.125, "logits_scaling": 1.0}))
     with pytest.raises(ModelLoadError, match="Use --engine vllm"):
         read_model_config(d)
     engine = VllmEngine(d, EngineConfig(max_num_seqs=2, max_model_len=256))
@@ -260,3 +262,72 @@ def test_vllm_runs_a_family_the_native_engine_refuses(tmp_path, real_model_dir):
         assert len(done) == 1 and len(done[0].output_token_ids) >= 1
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_json_schema_output_validates_on_52_rows(tmp_path, runs, engine):
+    """Every output parses and validates against its schema (xgrammar natively, vLLM's structured outputs)."""
+    import json
+
+    import jsonschema
+
+    from batchgen.data.response_format import normalise_response_format
+
+    schema = {"type": "object", "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]},
+                                               "topic": {"enum": ["food", "work", "science", "other"]},
+                                               "question": {"type": "boolean"}},
+              "required": ["sentiment", "topic", "question"], "additionalProperties": False}
+    spec = normalise_response_format({"type": "json_schema", "json_schema": {"name": "label", "schema": schema}})
+    rows = pq.read_table(TEST_DATA / "alpaca_seed_prompts.parquet").slice(20, 52)
+    inp = tmp_path / "in.parquet"
+    pq.write_table(rows, inp)
+    cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id=engine, engine=engine, shard_size=26,
+                    engine_config=EngineConfig(max_num_seqs=4, max_model_len=512),  # the fixture's: vLLM is reused
+                    sampling=SamplingParams(max_tokens=48, structured=spec), progress=False)
+    summary = generate(cfg, probe=False)
+    assert summary.rows == 52 and summary.errors == 0
+    req = read_run_table(tmp_path / engine, "requests").to_pylist()
+    assert len(req) == 52
+    for r in req:
+        jsonschema.validate(json.loads(r["text"]), schema)
+
+
+@pytest.fixture(scope="module")
+def tiny_adapter(tmp_path_factory, real_model_dir):
+    """A rank-4 LoRA adapter on the real model, random (not zero) weights, built with peft: no download."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False))
+    out = tmp_path_factory.mktemp("adapter") / "tiny"
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_lora_adapter_per_row_on_vllm_and_a_clear_error_on_native(tmp_path, tiny_adapter):
+    from conftest import write_prompts
+
+    prompts = ["Name a colour.", "Name a fruit.", "Name a city."]
+    inp = write_prompts(tmp_path / "in.parquet", prompts * 2 + ["Name a river."],
+                        ids=["a0", "a1", "a2", "b0", "b1", "b2", "unknown"],
+                        lora=["tiny"] * 3 + [None] * 3 + ["nope"])
+    common = dict(inputs=(str(inp),), output_dir=str(tmp_path), shard_size=10, progress=False,
+                  engine_config=EngineConfig(max_num_seqs=4, max_model_len=256), sampling=SamplingParams(max_tokens=8),
+                  lora_adapters=(("tiny", str(tiny_adapter)),))
+    generate(RunConfig(**common, engine="vllm", run_id="vllm"), probe=False)
+    t = tables(tmp_path / "vllm")
+    out = {r["id"]: r["output_token_ids"] for r in t["requests"].to_pylist()}
+    errors = {e["id"]: e["error"] for e in t["errors"].to_pylist()}
+    assert "lora 'nope' is not an adapter of this run (adapters: tiny)" in errors["unknown"]
+    assert sum(out[f"a{i}"] != out[f"b{i}"] for i in range(3)) >= 2  # the adapter changes what the model says
+    generate(RunConfig(**common, engine="native", run_id="native"), probe=False)
+    t = tables(tmp_path / "native")
+    errors = {e["id"]: e["error"] for e in t["errors"].to_pylist()}
+    assert all("the native engine runs no adapters; use --engine vllm" in errors[f"a{i}"] for i in range(3))
+    assert sorted(r["id"] for r in t["requests"].to_pylist()) == ["b0", "b1", "b2"]

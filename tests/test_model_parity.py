@@ -40,7 +40,7 @@ def engine_greedy(model_dir, prompts_ids, max_new, max_num_seqs, stats=None, **k
     return [out[i] for i in range(len(prompts_ids))], max_concurrency
 
 
-FAMILIES = ["llama", "qwen2", "llama3", "qwen3"]
+FAMILIES = ["llama", "qwen2", "llama3", "qwen3", "gemma2"]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -66,7 +66,7 @@ def test_tiny_model_continuous_batching_matches_hf(tiny_model_dir):
     assert got == ref
 
 
-@pytest.mark.parametrize("model_type", ["llama3", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama3", "qwen3", "gemma2"])
 def test_each_family_generates_hfs_greedy_tokens_through_the_paged_engine(tmp_path, real_model_dir, model_type):
     d = build_tiny_model(tmp_path, real_model_dir, model_type, seed=3)
     prompts = [list(range(300 + 11 * i, 300 + 11 * i + 5 + 9 * i)) for i in range(4)]
@@ -183,8 +183,8 @@ def test_unsupported_architecture_and_missing_files_are_named(tmp_path, tiny_mod
     (d / "config.json").write_text(json.dumps(yarn))
     with pytest.raises(ModelLoadError, match="does not implement rope_type 'yarn'.*Use --engine vllm"):
         read_model_config(d)
-    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral", "sliding_window": 128}))
-    with pytest.raises(ModelLoadError, match="sliding-window attention.*Use --engine vllm"):
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "llama", "hidden_act": "relu"}))
+    with pytest.raises(ModelLoadError, match="does not implement activation 'relu'; use --engine vllm"):
         read_model_config(d)
     (d / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
     (d / "model.safetensors").unlink()

@@ -168,3 +168,39 @@ def test_the_run_contract_counts_id_and_sample_pairs():
     assert "1 (id, sample) pairs appear more than once" in twice
     both = exactly_once_problems(t("requests", [("x", 0, 1), ("y", 0, 1)]), t("errors", [("x", None, None)]), ids)
     assert both is not None and "'x'" in both
+
+
+SCHEMA = {"type": "object", "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]},
+                                           "sarcastic": {"type": "boolean"}},
+          "required": ["sentiment", "sarcastic"], "additionalProperties": False}
+
+
+def response_format(schema=SCHEMA):
+    return json.dumps({"type": "json_schema", "json_schema": {"name": "label", "schema": schema}})
+
+
+def test_structured_output_per_row_on_the_native_engine(tmp_path, tiny_model_dir):
+    """A random-weight model still writes valid output: the grammar leaves it no other token."""
+    import jsonschema
+
+    inp = tmp_path / "in.parquet"
+    rows = [("js", response_format()), ("obj", json.dumps({"type": "json_object"})),
+            ("re", json.dumps({"type": "regex", "regex": "[0-9]{3}-[a-z]{2}"})),
+            ("ch", json.dumps({"type": "choice", "choice": ["alpha", "beta gamma"]})),
+            ("free", None), ("bad", json.dumps({"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}})),
+            ("worse", "{not json")]
+    pq.write_table(pa.table({"id": [r[0] for r in rows], "prompt": [f"label this: {r[0]}" for r in rows],
+                             "response_format": [r[1] for r in rows]}), inp)
+    out = tmp_path / "runs"
+    assert main(cli_args(inp, out, tiny_model_dir, "r", "--max-tokens", "40", "--temperature", "0.9")) == 0
+    req = {r["id"]: r for r in read_run_table(out / "r", "requests").to_pylist()}
+    errors = {e["id"]: e["error"] for e in read_run_table(out / "r", "errors").to_pylist()}
+    jsonschema.validate(json.loads(req["js"]["text"]), SCHEMA)
+    assert req["js"]["finish_reason"] == "stop"
+    assert isinstance(json.loads(req["obj"]["text"]), (dict, list, str, int, float, bool, type(None)))
+    import re
+
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", req["re"]["text"])
+    assert req["ch"]["text"] in ("alpha", "beta gamma")
+    assert "free" in req  # no constraint
+    assert "invalid response_format" in errors["bad"] and "response_format is not valid JSON" in errors["worse"]

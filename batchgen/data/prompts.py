@@ -12,6 +12,7 @@ from typing import Any
 
 from batchgen.config import ConfigError, SamplingParams, derive_seed
 from batchgen.data.reader import InvalidValue
+from batchgen.data.response_format import normalise_response_format
 
 
 @dataclass
@@ -102,6 +103,15 @@ def _mapping(value: Any, name: str) -> dict[str, Any]:
     return value
 
 
+def _lora(value: Any, names: tuple[str, ...]) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in names:
+        known = ", ".join(names) or "none: give --lora-adapter NAME=PATH"
+        raise ValueError(f"lora {value!r} is not an adapter of this run (adapters: {known})")
+    return value
+
+
 def _param(row: dict[str, Any], name: str, kind: type):
     v = row.get(name)
     if v is None:
@@ -124,7 +134,8 @@ class InputProcessor:
     """Applies the chat template, tokenizes, merges per-row parameters and the too_long policy."""
 
     def __init__(self, tokenizer, max_model_len: int, defaults: SamplingParams, too_long: str = "error",
-                 run_seed: int = 0, chat_template_kwargs: dict[str, Any] | None = None, n: int = 1):
+                 run_seed: int = 0, chat_template_kwargs: dict[str, Any] | None = None, n: int = 1,
+                 lora_names: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.defaults = defaults
@@ -132,6 +143,7 @@ class InputProcessor:
         self.run_seed = run_seed
         self.chat_template_kwargs = chat_template_kwargs or {}
         self.n = n
+        self.lora_names = lora_names
 
     def process(self, row: dict[str, Any]) -> PreparedRow | RowError:
         rid = row["id"]
@@ -141,6 +153,8 @@ class InputProcessor:
                           ("logprobs", int))}
             n = _param(row, "n", int) or self.n
             overrides["stop"] = _stop(row.get("stop"))
+            overrides["structured"] = normalise_response_format(row.get("response_format"))
+            overrides["lora"] = _lora(row.get("lora"), self.lora_names)
             sampling = replace(self.defaults, **{k: v for k, v in overrides.items() if v is not None})
             if sampling.seed is None:  # derived here, where rows become requests, so every engine gets the same
                 sampling = replace(sampling, seed=derive_seed(self.run_seed, rid))

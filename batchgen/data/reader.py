@@ -23,7 +23,7 @@ from batchgen.data.storage import sha256_file
 
 PROMPT, MESSAGES, ID = "prompt", "messages", "id"
 PARAM_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "n")
-ROW_COLUMNS = ("stop", "system", "chat_template_kwargs")  # per-row request options, checked row by row
+ROW_COLUMNS = ("stop", "system", "chat_template_kwargs", "response_format", "lora")  # per-row request options, checked row by row
 
 
 class InputError(ValueError):

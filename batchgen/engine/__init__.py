@@ -10,7 +10,7 @@ from batchgen.engine.base import Engine, EngineDead, FinishedRequest, RequestRej
 
 
 def create_engine(name: str, model_dir: str | Path, config: EngineConfig, clock: Callable[[], float] | None = None,
-                  options: dict[str, Any] | None = None) -> Engine:
+                  options: dict[str, Any] | None = None, lora_adapters: dict[str, str] | None = None) -> Engine:
     if name == "native":
         from batchgen.engine.native import NativeEngine
 
@@ -18,7 +18,7 @@ def create_engine(name: str, model_dir: str | Path, config: EngineConfig, clock:
     if name == "vllm":
         from batchgen.engine.vllm import VllmEngine  # noqa: F401  (imports vllm lazily)
 
-        return VllmEngine(model_dir, config, clock, options or {})
+        return VllmEngine(model_dir, config, clock, options or {}, lora_adapters or {})
     raise ValueError(f"unknown engine {name!r}; choose 'native' or 'vllm'")
 
 

@@ -46,7 +46,7 @@ class AttentionMetadata:
 
 
 def _tile_attention(q: torch.Tensor, g: TileGroup, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [N, Qt, Hkv, G, D] -> out [N, Qt, Hkv, G, D]; caches [num_blocks, Hkv, bs, D]."""
     N, Qt, Hkv, G, D = q.shape
     (P, KT), bs, QG = g.pair_blocks.shape, k_cache.shape[2], Qt * G
@@ -55,8 +55,13 @@ def _tile_attention(q: torch.Tensor, g: TileGroup, k_cache: torch.Tensor, v_cach
     values = v_cache[g.pair_blocks].transpose(1, 2).reshape(P, Hkv, S, D)
     qp = q[g.pair_tile].permute(0, 2, 1, 3, 4).reshape(P, Hkv, QG, D)
     s = torch.matmul(qp, keys.transpose(-1, -2)).float().mul_(scale)  # [P, Hkv, Qt*G, S]
+    if softcap is not None:  # Gemma 2: scores squashed into (-cap, cap)
+        s = torch.tanh(s.div_(softcap)).mul_(softcap)
     key_pos = g.pair_pos0[:, None] + torch.arange(S, device=q.device)  # [P, S]
-    hidden = key_pos[:, None, :] > g.q_pos[g.pair_tile][:, :, None]  # [P, Qt, S]: causal + past the context
+    q_pos = g.q_pos[g.pair_tile][:, :, None]  # [P, Qt, 1]
+    hidden = key_pos[:, None, :] > q_pos  # [P, Qt, S]: causal + past the context
+    if window is not None:  # sliding window: only the last `window` positions
+        hidden |= key_pos[:, None, :] <= q_pos - window
     s.view(P, Hkv, Qt, G, S).masked_fill_(hidden[:, None, :, None, :], float("-inf"))
     m_pair = s.amax(dim=-1)  # [P, Hkv, QG]
     idx = g.pair_tile[:, None, None].expand_as(m_pair)
@@ -76,13 +81,13 @@ class TorchPagedAttention:
     kv_layout = "HND"
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float) -> torch.Tensor:
+                 scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """q [T, Hkv, G, D] for the step's tokens -> [T, Hkv, G, D]."""
         out = torch.empty_like(q)
         for g in (meta.decode, meta.prefill):  # at most two groups: not a loop over sequences
             if g is None:
                 continue
-            o = _tile_attention(q[g.token_idx], g, k_cache, v_cache, scale)
+            o = _tile_attention(q[g.token_idx], g, k_cache, v_cache, scale, window, softcap)
             if g.valid is None:
                 out[g.token_idx.view(-1)] = o.reshape(-1, *q.shape[1:])
             else:

@@ -2,7 +2,8 @@
 
 FlashInfer's batch prefill kernel over a paged KV cache takes every chunk of a step at once, decode
 tokens (query length 1) and prompt chunks alike, with the causal mask aligned to each sequence's end,
-which is what chunked prefill needs. The plan (index arrays) is made once per step, not per layer.
+which is what chunked prefill needs. The plan (index arrays) is made once per step and attention
+variant (a sliding window, a soft cap), not per layer.
 Layout: [num_blocks, block_size, Hkv, D] ("NHD").
 """
 
@@ -21,10 +22,16 @@ class FlashInferBackend:
     def __init__(self, device: str):
         self.device = device
         self.workspace = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD")
-        self._planned: AttentionMetadata | None = None
+        # one planned wrapper per attention variant of the model (full / sliding window, soft cap)
+        self.wrappers: dict[tuple, object] = {}
+        self._planned: dict[tuple, AttentionMetadata] = {}
 
-    def _plan(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> None:
+    @property
+    def wrapper(self):
+        return next(iter(self.wrappers.values()))
+
+    def _plan(self, key: tuple, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, scale: float,
+              window: int | None, softcap: float | None) -> None:
         bs = k_cache.shape[1]
         qo, kv_indptr, indices, last = [0], [0], [], []
         for q_len, kv_len, blocks in zip(meta.q_lens, meta.seq_lens, meta.block_tables):
@@ -35,16 +42,20 @@ class FlashInferBackend:
             last.append(kv_len - (pages - 1) * bs)
         i32 = dict(dtype=torch.int32, device=self.device)
         _, Hkv, G, D = q.shape
-        self.wrapper.plan(torch.tensor(qo, **i32), torch.tensor(kv_indptr, **i32), torch.tensor(indices, **i32),
-                          torch.tensor(last, **i32), Hkv * G, Hkv, D, bs, causal=True, sm_scale=scale,
-                          q_data_type=q.dtype, kv_data_type=k_cache.dtype)
-        self._planned = meta
+        if key not in self.wrappers:
+            self.wrappers[key] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD")
+        self.wrappers[key].plan(torch.tensor(qo, **i32), torch.tensor(kv_indptr, **i32), torch.tensor(indices, **i32),
+                                torch.tensor(last, **i32), Hkv * G, Hkv, D, bs, causal=True, sm_scale=scale,
+                                window_left=window - 1 if window else -1, logits_soft_cap=softcap or 0.0,
+                                q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+        self._planned[key] = meta
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float) -> torch.Tensor:
+                 scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """q [T, Hkv, G, D] (tokens in chunk order) -> [T, Hkv, G, D]."""
-        if self._planned is not meta:
-            self._plan(meta, q, k_cache, scale)
+        key = (window, softcap)
+        if self._planned.get(key) is not meta:  # once per step and variant, not per layer
+            self._plan(key, meta, q, k_cache, scale, window, softcap)
         T, Hkv, G, D = q.shape
-        out = self.wrapper.run(q.reshape(T, Hkv * G, D), (k_cache, v_cache))
+        out = self.wrappers[key].run(q.reshape(T, Hkv * G, D), (k_cache, v_cache))
         return out.view(T, Hkv, G, D)

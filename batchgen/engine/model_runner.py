@@ -18,12 +18,13 @@ from batchgen.engine.scheduler import Chunk
 
 
 class ModelRunner:
-    def __init__(self, model, kv: PagedKVCache | None, attention, vocab_size: int, device: str):
+    def __init__(self, model, kv: PagedKVCache | None, attention, vocab_size: int, device: str, constraints=None):
         self.model = model  # batchgen.model.llama.LlamaModel
         self.kv = kv  # None: recompute the whole history every step (the lab's baseline)
         self.attention = attention  # batchgen.engine.attention.select_backend(device), or None without a cache
         self.device = device
         self.sampler = Sampler(vocab_size, device)
+        self.constraints = constraints  # batchgen.engine.structured.GrammarConstraints: masks constrained rows
         self.num_computed_positions = 0  # positions run through the model (the lab's count)
 
     def execute(self, chunks: list[Chunk]) -> tuple[list[int], list[tuple[float, list] | None] | None]:
@@ -40,7 +41,12 @@ class ModelRunner:
                 if self.device.startswith("cuda"):  # the step's end time is when its work is done
                     torch.cuda.synchronize(self.device)
                 return [], None
+        raw = logits
+        if self.constraints is not None and self.constraints.matchers:
+            logits = logits.clone()  # logprobs stay those of the raw distribution
+            self.constraints.mask(logits, [r.request_id for r in sampling])
         tokens = self._sample(logits, sampling)
+        logits = raw
         wants = [r.sampling.logprobs for r in sampling]
         if all(k is None for k in wants):
             return tokens.tolist(), None  # the one host sync

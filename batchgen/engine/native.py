@@ -22,6 +22,7 @@ from batchgen.engine.kv_cache import PagedKVCache, free_memory_bytes
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen.engine.structured import GrammarConstraints
 from batchgen.faults import fail_if_poisoned, fault_requests_active
 from batchgen.model.loader import DTYPES, load_model, read_model_config
 from batchgen.model.tokenizer import Tokenizer
@@ -52,7 +53,8 @@ class NativeEngine(Engine):
         attention = select_backend(config.device, config.attention_backend) if config.enable_kv_cache else None
         kv = (PagedKVCache(c.num_layers, num_blocks, bs, c.num_kv_heads, c.head_dim, DTYPES[config.dtype],
                            config.device, attention.kv_layout) if attention else None)
-        self.runner = ModelRunner(self.model, kv, attention, c.vocab_size, config.device)
+        self.constraints = GrammarConstraints(model_dir, c.vocab_size, sorted(self.eos_token_ids))
+        self.runner = ModelRunner(self.model, kv, attention, c.vocab_size, config.device, self.constraints)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens)
         self._step_id = 0
         self._ids: set[str] = set()
@@ -69,11 +71,16 @@ class NativeEngine(Engine):
             raise RequestRejected("empty prompt: no tokens to condition on")
         if request_id in self._ids:
             raise RequestRejected(f"duplicate request id {request_id!r}")
+        if sampling.lora:
+            raise RequestRejected(f"LoRA adapter {sampling.lora!r}: the native engine runs no adapters; use --engine vllm")
         # rows get their seed where they become requests (batchgen.data.prompts); this covers direct callers
         seed = sampling.seed if sampling.seed is not None else derive_seed(self.config.seed, request_id)
         try:
+            if sampling.structured:
+                self.constraints.add(request_id, sampling.structured)  # compiles first: a bad spec is this row's
             self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, seed, enqueue_t=self.clock()))
         except ValueError as e:
+            self.constraints.drop(request_id)
             raise RequestRejected(str(e)) from None
         self._ids.add(request_id)
 
@@ -82,6 +89,7 @@ class NativeEngine(Engine):
 
     def abort_all(self) -> list[str]:
         self._ids.clear()
+        self.constraints.matchers.clear()
         return [r.request_id for r in self.scheduler.abort_all()]
 
     def step(self) -> StepResult:
@@ -143,8 +151,11 @@ class NativeEngine(Engine):
                 r.first_token_t = end_t
             r.last_token_t = end_t
             reason = self._finish_reason(r, tok)
+            if self.constraints.accept(r.request_id, tok) and reason is None:
+                reason = "stop"  # the grammar is complete: nothing may follow
             if reason is not None:
                 self.scheduler.finish(r, reason)
+                self.constraints.drop(r.request_id)
                 self._ids.discard(r.request_id)
                 res.finished.append(self._finished(r))
         res.sum_context_len = sum_ctx

@@ -8,6 +8,7 @@ vllm is imported only when this engine is created (`import batchgen` stays light
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -93,6 +94,16 @@ def _stat_logger_factory(holder: _StepStats):
     return Recorder
 
 
+def _lora_rank(adapter_dir: str) -> int:
+    """vLLM's max_lora_rank for a PEFT adapter: its rank r (adapter_config.json), rounded up to a
+    rank vLLM accepts."""
+    cfg = Path(adapter_dir) / "adapter_config.json"
+    if not cfg.is_file():
+        raise ValueError(f"LoRA adapter {adapter_dir}: no adapter_config.json (a PEFT adapter directory is expected)")
+    r = int(json.loads(cfg.read_text()).get("r", 16))
+    return next((x for x in (1, 8, 16, 32, 64, 128, 256, 320, 512) if x >= r), r)
+
+
 def _logprobs(entry, tok: int, k: int | None) -> tuple[float | None, list[tuple[int, float]] | None]:
     """vLLM's {token_id: Logprob(logprob, rank)} for one token -> (chosen logprob, top k by rank)."""
     if entry is None or k is None:
@@ -123,7 +134,8 @@ class VllmEngine(Engine):
     name = "vllm"
 
     def __init__(self, model_dir: str | Path, config: EngineConfig = EngineConfig(),
-                 clock: Callable[[], float] | None = None, options: dict[str, Any] | None = None):
+                 clock: Callable[[], float] | None = None, options: dict[str, Any] | None = None,
+                 lora_adapters: dict[str, str] | None = None):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -151,6 +163,11 @@ class VllmEngine(Engine):
         elif on_cpu:
             options.setdefault("gpu_memory_utilization", 0.5)
         options.setdefault("enable_prefix_caching", config.enable_prefix_caching)
+        self.lora_adapters = dict(lora_adapters or {})
+        if self.lora_adapters:  # vLLM serves every adapter of the run, each row picks one
+            options.setdefault("enable_lora", True)
+            options.setdefault("max_loras", len(self.lora_adapters))
+            options.setdefault("max_lora_rank", max(_lora_rank(p) for p in self.lora_adapters.values()))
         self.options = options
         self._stats = _StepStats()
         args = EngineArgs(model=str(model_dir), tokenizer=str(model_dir), dtype=config.dtype,
@@ -174,16 +191,33 @@ class VllmEngine(Engine):
 
         if request_id in self._requests:
             raise RequestRejected(f"duplicate request id {request_id!r}")
+        structured = None
+        if sampling.structured:  # the same spec, through vLLM's own structured outputs
+            from vllm.sampling_params import StructuredOutputsParams
+
+            spec = json.loads(sampling.structured)
+            structured = StructuredOutputsParams(json=spec.get("json"), regex=spec.get("regex"),
+                                                 choice=spec.get("choice"), json_object=spec.get("json_object"),
+                                                 disable_any_whitespace=True)
         params = VllmSamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                                     top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
                                     stop=list(sampling.stop) or None, ignore_eos=sampling.ignore_eos,
-                                    logprobs=sampling.logprobs,
+                                    logprobs=sampling.logprobs, structured_outputs=structured,
                                     output_kind=RequestOutputKind.DELTA, skip_special_tokens=True)
         if self._core_dead():  # vLLM would block forever on a call to a dead core
             raise EngineDied("vLLM's engine core died; the shard fails and is redone on retry or resume")
+        lora = None
+        if sampling.lora:
+            if sampling.lora not in self.lora_adapters:
+                raise RequestRejected(f"lora {sampling.lora!r} is not an adapter of this run")
+            from vllm.lora.request import LoRARequest
+
+            names = sorted(self.lora_adapters)
+            lora = LoRARequest(sampling.lora, names.index(sampling.lora) + 1, self.lora_adapters[sampling.lora])
         enqueue_t = self.clock()
         try:
-            self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params)
+            self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params,
+                                    lora_request=lora)
         except Exception as e:  # noqa: BLE001 - vLLM's per-request validation has several exception types
             if "Dead" in type(e).__name__:  # EngineDeadError: the shard fails and is retried, not a row error
                 raise
@@ -311,6 +345,7 @@ class VllmEngine(Engine):
             "max_num_batched_tokens": self.options["max_num_batched_tokens"],
             "weight_bytes": self.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
             "speculative": self.options.get("speculative_config"), "vllm_options": self.options,
+            "lora_adapters": self.lora_adapters,
         }
 
     def close(self) -> None:

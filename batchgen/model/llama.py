@@ -48,14 +48,18 @@ def rope_inv_freq(c: ModelConfig) -> torch.Tensor:
 class Layer:
     """One decoder layer's fused weights."""
 
-    def __init__(self, input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, q_norm=None, k_norm=None):
+    def __init__(self, input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, q_norm=None, k_norm=None,
+                 attn_out_norm=None, mlp_out_norm=None, window=None):
         self.input_norm = input_norm  # [E]
         self.qkv = qkv  # [(H + 2 Hkv) D, E]
         self.qkv_bias = qkv_bias  # [(H + 2 Hkv) D] or None
         self.q_norm = q_norm  # [D] or None (qwen3)
         self.k_norm = k_norm  # [D] or None
+        self.attn_out_norm = attn_out_norm  # [E] or None (Gemma 2's sandwich norms)
+        self.mlp_out_norm = mlp_out_norm  # [E] or None
+        self.window = window  # sliding-window size of this layer's attention, or None (full)
         self.o = o  # [E, H D]
-        self.post_norm = post_norm  # [E]
+        self.post_norm = post_norm  # [E], the norm before the MLP
         self.gate_up = gate_up  # [2 I, E]
         self.down = down  # [E, I]
 
@@ -76,7 +80,8 @@ class LlamaModel:
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.group = c.num_heads // c.num_kv_heads
-        self.scale = c.head_dim ** -0.5
+        self.scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+        self.act = F.silu if c.hidden_act == "silu" else (lambda x: F.gelu(x, approximate="tanh"))
         inv_freq = rope_inv_freq(c)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)  # [max_pos, D/2]
@@ -104,13 +109,31 @@ class LlamaModel:
             q, k = rms_norm(q, layer.q_norm, c.rms_norm_eps), rms_norm(k, layer.k_norm, c.rms_norm_eps)
         return q, k, v.unflatten(-1, (c.num_kv_heads, c.head_dim))
 
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed[tokens]
+        if self.config.embed_scale != 1.0:  # Gemma: scaled by sqrt(hidden), in the weights' dtype as HF does
+            h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
+        return h
+
+    def _attn_residual(self, layer: Layer, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """h + the attention output o [..., H D] through o_proj (and Gemma 2's output norm)."""
+        out = F.linear(o, layer.o)
+        if layer.attn_out_norm is not None:
+            out = rms_norm(out, layer.attn_out_norm, self.config.rms_norm_eps)
+        return h + out
+
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
         gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, layer.down)
+        out = F.linear(self.act(gate) * up, layer.down)
+        if layer.mlp_out_norm is not None:
+            out = rms_norm(out, layer.mlp_out_norm, self.config.rms_norm_eps)
+        return h + out
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(h, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        logits = F.linear(rms_norm(h, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # ---- the step: every scheduled chunk's tokens side by side, K/V in the paged cache ------------
 
@@ -123,15 +146,16 @@ class LlamaModel:
         c = self.config
         T, Hkv, G, D = tokens.shape[0], c.num_kv_heads, self.group, c.head_dim
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, D]
-        h = self.embed[tokens]  # [T, E]
+        h = self._embed(tokens)  # [T, E]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, h)  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             kv.write(i, block_idx, offset, k, v)  # first, so a chunk's queries see their own keys
             k_cache, v_cache = kv.layer(i)
-            o = attention(q.view(T, Hkv, G, D), k_cache, v_cache, meta, self.scale)  # [T, Hkv, G, D]
-            h = h + F.linear(o.reshape(T, self.q_size), layer.o)
+            o = attention(q.view(T, Hkv, G, D), k_cache, v_cache, meta, self.scale,
+                          window=layer.window, softcap=c.attn_softcap)  # [T, Hkv, G, D]
+            h = self._attn_residual(layer, h, o.reshape(T, self.q_size))
             h = self._mlp(layer, h)
         return self._logits(h[logits_idx])
 
@@ -144,13 +168,25 @@ class LlamaModel:
         c = self.config
         N, P = tokens.shape
         cos, sin = self.cos[:P], self.sin[:P]  # [P, D]
-        h = self.embed[tokens]  # [N, P, E]
+        h = self._embed(tokens)  # [N, P, E]
+        pos = torch.arange(P, device=h.device)
         for layer in self.layers:
             q, k, v = (x.transpose(1, 2) for x in self._qkv(layer, h))  # [N, H, P, D], [N, Hkv, P, D] x2
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.group > 1)
-            h = h + F.linear(o.transpose(1, 2).reshape(N, P, self.q_size), layer.o)
+            if layer.window is None and c.attn_softcap is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                   enable_gqa=self.group > 1)
+            else:  # a sliding window or soft-capped scores: written out
+                k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
+                s = torch.matmul(q, k.transpose(-1, -2)).float() * self.scale  # [N, H, P, P]
+                if c.attn_softcap is not None:
+                    s = torch.tanh(s / c.attn_softcap) * c.attn_softcap
+                hidden = pos[None, :] > pos[:, None]
+                if layer.window is not None:
+                    hidden |= pos[None, :] <= pos[:, None] - layer.window
+                o = torch.matmul(s.masked_fill(hidden, float("-inf")).softmax(-1).to(v.dtype), v)
+            h = self._attn_residual(layer, h, o.transpose(1, 2).reshape(N, P, self.q_size))
             h = self._mlp(layer, h)
         h_last = h[torch.arange(N, device=h.device), last_idx]  # [N, E]
         return self._logits(h_last)

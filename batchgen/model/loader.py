@@ -87,6 +87,10 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
             raise ModelLoadError(f"{model_dir}: weight {name!r} not found in safetensors")
         return None if t is None else t.to(device=device, dtype=dt).contiguous()
 
+    def norm(name: str):  # Gemma's RMSNorm scales by (1 + w): fold the 1 in once, at load
+        w = take(name)
+        return w + 1 if config.norm_plus_one else w
+
     embed = take("model.embed_tokens.weight")
     layers = []
     for i in range(config.num_layers):
@@ -96,22 +100,26 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
         if config.attention_bias:
             bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
         gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
+        sandwich = config.sandwich_norms  # Gemma 2: post_attention_layernorm norms the attention's output
         layers.append(Layer(
-            input_norm=take(p + "input_layernorm.weight"),
+            input_norm=norm(p + "input_layernorm.weight"),
             qkv=torch.cat([q, k, v]).contiguous(),
             qkv_bias=bias,
             q_norm=take(p + "self_attn.q_norm.weight") if config.qk_norm else None,
             k_norm=take(p + "self_attn.k_norm.weight") if config.qk_norm else None,
             o=take(p + "self_attn.o_proj.weight"),
-            post_norm=take(p + "post_attention_layernorm.weight"),
+            post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
             gate_up=torch.cat([gate, up]).contiguous(),
             down=take(p + "mlp.down_proj.weight"),
+            attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
+            mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
+            window=config.sliding_window if i in config.sliding_layers else None,
         ))
-    norm = take("model.norm.weight")
+    final_norm = norm("model.norm.weight")
     lm_head = take("lm_head.weight", required=not config.tie_word_embeddings)
     if lm_head is None:
         lm_head = embed
-    return LlamaModel(config, embed, layers, norm, lm_head,
+    return LlamaModel(config, embed, layers, final_norm, lm_head,
                       max_positions=max_positions or config.max_position_embeddings)
 
 

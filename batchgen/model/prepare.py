@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -66,11 +67,26 @@ def prepare_default(dest: Path | None = None, force: bool = False) -> Path:
     return dest
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
+
+
 def resolve_model(model: str) -> Path:
-    """An alias of the default model (prepared on first use), or a local HF-format directory."""
+    """An alias of the default model (prepared on first use), a local HF-format directory, or a hub id
+    (`org/name`): the snapshot in the local Hugging Face cache, fetched first where a hub is reachable
+    (HF_HUB_OFFLINE=1 uses the cache alone). Either way every engine then reads a local directory."""
     if model.lower() in ALIASES:
         return prepare_default()
     path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model not found: {model!r} is neither a local directory nor one of {sorted(ALIASES)}")
-    return path
+    if path.exists():
+        return path
+    if HUB_ID.fullmatch(model):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(model, allow_patterns=HUB_FILES))
+        except Exception as e:  # noqa: BLE001 - offline, unknown repo, gated: all mean "not here"
+            raise ModelLoadError(f"model {model!r} is not a local directory, and neither the hub nor the local "
+                                 f"Hugging Face cache gave it ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    raise ModelLoadError(f"model not found: {model!r} is neither a local directory, a hub id (org/name), "
+                         f"nor one of {sorted(ALIASES)}")
