@@ -163,6 +163,15 @@ class VllmEngine(Engine):
         elif on_cpu:
             options.setdefault("gpu_memory_utilization", 0.5)
         options.setdefault("enable_prefix_caching", config.enable_prefix_caching)
+        if "structured_outputs_config" not in options:  # the native engine's grammar library and whitespace rule
+            from vllm.config import StructuredOutputsConfig
+
+            options["structured_outputs_config"] = StructuredOutputsConfig(backend="xgrammar",
+                                                                           disable_any_whitespace=True)
+        elif isinstance(options["structured_outputs_config"], dict):
+            from vllm.config import StructuredOutputsConfig
+
+            options["structured_outputs_config"] = StructuredOutputsConfig(**options["structured_outputs_config"])
         self.lora_adapters = dict(lora_adapters or {})
         if self.lora_adapters:  # vLLM serves every adapter of the run, each row picks one
             options.setdefault("enable_lora", True)
