@@ -332,3 +332,27 @@ def test_lora_adapter_per_row_on_vllm_and_a_clear_error_on_native(tmp_path, tiny
     errors = {e["id"]: e["error"] for e in t["errors"].to_pylist()}
     assert all("the native engine runs no adapters; use --engine vllm" in errors[f"a{i}"] for i in range(3))
     assert sorted(r["id"] for r in t["requests"].to_pylist()) == ["b0", "b1", "b2"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_n_samples_are_the_same_rows_with_the_same_seeds_on_both_engines(tmp_path, runs, engine):
+    from conftest import write_prompts
+
+    inp = write_prompts(tmp_path / "in.parquet", ["Name a colour.", "Name a fruit.", "  "], ids=["c", "f", "empty"])
+    cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id=engine, engine=engine, n=3,
+                    engine_config=EngineConfig(max_num_seqs=4, max_model_len=512),  # the fixture's: vLLM is reused
+                    sampling=SamplingParams(max_tokens=6, temperature=0.9), progress=False)
+    generate(cfg, probe=False)
+    t = tables(tmp_path / engine)
+    req = t["requests"].to_pylist()
+    assert sorted((r["id"], r["sample_index"], r["num_samples"]) for r in req) == \
+        [(i, k, 3) for i in ("c", "f") for k in range(3)]
+    from batchgen.config import derive_seed
+
+    for r in req:  # sample 0: the row's derived seed; the others derived from it, the same on either engine
+        row_seed = derive_seed(0, r["id"])
+        assert r["seed"] == (row_seed if r["sample_index"] == 0 else derive_seed(row_seed, f"sample-{r['sample_index']}"))
+    (err,) = t["errors"].to_pylist()
+    assert err["id"] == "empty" and err["sample_index"] is None
+    assert {(x["request_id"], x["sample_index"]) for x in t["tokens"].to_pylist()} == \
+        {(r["id"], r["sample_index"]) for r in req}
