@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m flows.pipeline --config configs/cpu-demo.yaml`: the pipeline on a local Prefect."""
     import argparse
 
-    from batchgen.report.build import headline_text
+    from batchgen.report.build import HEADLINE_QUERIES, headline_text
     from batchgen.report.queries import connect, run_query
     from batchgen.settings import load_yaml
 
@@ -36,8 +36,7 @@ def main(argv: list[str] | None = None) -> None:
         values["run_id"] = args.run_id
     result = pipeline(GenerateSettings(**values))
     con = connect([result["run_dir"]])
-    print(headline_text({q: run_query(con, q) for q in ("throughput", "request_latency", "itl_by_concurrency",
-                                                         "run_conditions")}))
+    print(headline_text({q: run_query(con, q) for q in HEADLINE_QUERIES}))
     print(f"\nrun: {result['run_dir']} ({result['rows']} rows: {result['ok']} outputs, {result['errors']} errors)")
     print(f"report: {result['report']}/report.html")
 

@@ -146,3 +146,19 @@ def test_a_dying_engine_fails_the_shard_which_is_retried_and_resumed(tmp_path, t
     result = generate(settings_for(tmp_path, tiny_model_dir, run_id="flaky"))
     assert FlakyEngineDouble.failures_left == 0 and len(created) == 2  # the retry got a fresh engine
     assert result["rows"] == 8 and ids_in(result["run_dir"]) == [f"f{i}" for i in range(8)]
+
+
+def test_the_demo_entry_point_prints_the_headline(tmp_path, tiny_model_dir, capsys):
+    """`make demo` runs `python -m flows.pipeline --config ...`: the same main, on a small config."""
+    import yaml
+
+    from flows.pipeline import main
+
+    s = settings_for(tmp_path, tiny_model_dir)
+    cfg = tmp_path / "demo.yaml"
+    cfg.write_text(yaml.safe_dump({**s.model_dump(), "progress": False}))
+    main(["--config", str(cfg), "--run-id", "demo"])
+    out = capsys.readouterr().out
+    for title in ("Throughput", "Request latency", "KV cache", "Run conditions"):
+        assert title in out
+    assert "report: " in out and (tmp_path / "runs" / "demo" / "report" / "report.html").is_file()

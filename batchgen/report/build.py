@@ -57,6 +57,9 @@ HEADLINES = (
 )
 
 
+HEADLINE_QUERIES = ("run_status", *(name for _, name, _ in HEADLINES))  # what headline_text reads
+
+
 def headline_text(results: dict[str, pa.Table]) -> str:
     tables = "\n\n".join(f"{title}\n{format_table(results[name], cols)}" for title, name, cols in HEADLINES)
     notes = partial_notes(results)
