@@ -41,12 +41,11 @@ class ModelRunner:
                 if self.device.startswith("cuda"):  # the step's end time is when its work is done
                     torch.cuda.synchronize(self.device)
                 return [], None
-        raw = logits
+        masked = logits
         if self.constraints is not None and self.constraints.matchers:
-            logits = logits.clone()  # logprobs stay those of the raw distribution
-            self.constraints.mask(logits, [r.request_id for r in sampling])
-        tokens = self._sample(logits, sampling)
-        logits = raw
+            masked = logits.clone()  # a copy: logprobs stay those of the raw distribution
+            self.constraints.mask(masked, [r.request_id for r in sampling])
+        tokens = self._sample(masked, sampling)
         wants = [r.sampling.logprobs for r in sampling]
         if all(k is None for k in wants):
             return tokens.tolist(), None  # the one host sync
