@@ -96,9 +96,9 @@ def open_run(cfg: RunConfig) -> OpenRun:
 
 @functools.lru_cache(maxsize=4)
 def _probe(device: str) -> dict[str, float]:
-    from batchgen.metrics.probe import probe_device
+    from batchgen.metrics.probe import cached_probe
 
-    return probe_device(device)
+    return cached_probe(device)
 
 
 _ENGINES: dict[tuple, Engine] = {}

@@ -1,8 +1,19 @@
-"""Measured peak read bandwidth and matmul FLOP/s of the device, for MBU/MFU (a second or two)."""
+"""Measured peak read bandwidth and matmul FLOP/s of the device, for MBU/MFU (a second or two).
+
+The result is cached per machine (CPU model and flags, cores, GPU, torch version) under
+BATCHGEN_HOME/probe/, so a run's start-up does not pay for it again; the conditions say when and
+where the figures were measured. BATCHGEN_REPROBE=1 measures again.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
+from pathlib import Path
+
+PROBE_VERSION = 1  # bump when the measurement changes, so old cached figures are not reused
 
 
 def probe_device(device: str = "cpu", mib: int = 256, repeats: int = 3) -> dict[str, float]:
@@ -33,3 +44,39 @@ def probe_device(device: str = "cpu", mib: int = 256, repeats: int = 3) -> dict[
     mm_s = best(lambda: a @ b)
     return {"peak_read_bytes_per_s": x.numel() * 4 / read_s, "peak_flops_fp32": 2 * a.shape[0] * n * n / mm_s,
             "probe_buffer_mib": mib}
+
+
+def machine_key(device: str) -> str:
+    """What makes two probes comparable: the same CPU (model, flags, cores), GPU and torch."""
+    import torch
+
+    from batchgen.metrics.conditions import cpu_model
+
+    flags = ""
+    try:
+        flags = next((l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")), "")
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
+    raw = f"{PROBE_VERSION}|{cpu_model()}|{flags}|{os.cpu_count()}|{torch.get_num_threads()}|{device}|{gpu}|{torch.__version__}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def cached_probe(device: str = "cpu", cache_dir: Path | None = None) -> dict[str, float | str]:
+    """probe_device's figures for this machine: measured once, then read from the cache."""
+    home = Path(os.environ.get("BATCHGEN_HOME", Path.home() / ".cache" / "batchgen"))
+    path = (cache_dir or home / "probe") / f"{machine_key(device)}.json"
+    if path.is_file() and not os.environ.get("BATCHGEN_REPROBE"):
+        try:
+            return {**json.loads(path.read_text()), "probe_source": f"cached ({path})"}
+        except (OSError, ValueError):
+            pass  # unreadable: measure again
+    figures = {**probe_device(device), "probe_measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(figures))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: measure every time
+    return {**figures, "probe_source": "measured in this run"}
