@@ -218,3 +218,21 @@ def test_logprobs_are_hfs_raw_log_softmax(tiny_model_dir):
         assert [t for t, _ in top] == ref_top.indices.tolist()
         assert [v for _, v in top] == pytest.approx(ref_top.values.tolist(), abs=1e-4)
         assert top[0] == (tok, pytest.approx(lp))  # greedy picks the top one
+
+
+def test_seeded_samples_are_the_same_with_and_without_preemption(tiny_model_dir):
+    def sampled(**kw):
+        e = NativeEngine(tiny_model_dir, EngineConfig(max_num_seqs=4, max_model_len=512, block_size=8, **kw))
+        for i, (ids, n) in enumerate(zip(TINY_PROMPTS, TINY_MAX_NEW)):
+            e.add(str(i), ids, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.9, top_p=0.9, seed=100 + i))
+        out, preempted = {}, 0
+        while e.has_unfinished():
+            r = e.step()
+            preempted += r.num_preempted
+            out.update({f.request_id: f.output_token_ids for f in r.finished})
+        return out, preempted
+
+    roomy, none = sampled()
+    tight, some = sampled(kv_cache_tokens=48, max_num_batched_tokens=8)
+    assert none == 0 and some > 0
+    assert tight == roomy  # the noise is a function of (seed, token index), not of when a token was computed
