@@ -161,11 +161,7 @@ def run_shard(cfg: RunConfig, run: RunDir, dataset: PromptDataset, engine: Engin
             else:
                 for k, sample in enumerate(p.samples()):  # n samples: n requests, mapped back by the writer
                     prepared.append(sample)
-                    writer.seeds[sample.id] = sample.sampling.seed
-                    if p.n > 1:
-                        writer.samples[sample.id] = (p.id, k, p.n)
-                    if p.truncated_from is not None:
-                        writer.truncated[sample.id] = p.truncated_from
+                    writer.expect(sample.id, p.id, k, p.n, sample.sampling.seed, p.truncated_from)
         if progress:
             progress.update(len(writer.errors["id"]))
         _generate_isolating_failures(engine, writer, prepared, progress)

@@ -235,15 +235,6 @@ class RunDir:
 
     # ---- the end --------------------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        """How far the run is: committed shards and rows against the input's."""
-        doc = self.read_json()
-        manifests = self.manifests()
-        total_shards, total_rows = doc["input"]["shards"], doc["input"]["rows"]
-        return {"run_id": self.path.name, "complete": (self.path / "_SUCCESS").is_file(),
-                "shards": total_shards, "shards_committed": len(manifests),
-                "rows": total_rows, "rows_committed": sum(m["rows"] for m in manifests)}
-
     def verify(self, input_ids: pa.Array, num_shards: int) -> dict[str, int]:
         """The set of ids across requests/ and errors/ must equal the input's, each exactly once, and
         every committed file must match its checksum. Returns the summary that _SUCCESS records."""

@@ -47,11 +47,21 @@ class ShardWriter:
         self.tokens: dict[str, list] = {f: [] for f in TOKENS_SCHEMA.names}
         self.steps: dict[str, list] = {f: [] for f in STEPS_SCHEMA.names}
         self._last_t: dict[str, float] = {}
+        # per engine request, filled by expect(): prompt truncation, seed, and (n > 1) its row and sample
         self.truncated: dict[str, int] = {}
         self.seeds: dict[str, int] = {}
         # engine request id -> (input row id, sample index, samples of the row); ids not here are rows of n = 1
         self.samples: dict[str, tuple[str, int, int]] = {}
         self.num_output_tokens = 0
+
+    def expect(self, request_id: str, row_id: str, sample_index: int, num_samples: int, seed: int | None,
+               truncated_from: int | None) -> None:
+        """What the requests/ row of an engine request records beside the engine's own figures."""
+        self.seeds[request_id] = seed
+        if num_samples > 1:
+            self.samples[request_id] = (row_id, sample_index, num_samples)
+        if truncated_from is not None:
+            self.truncated[request_id] = truncated_from
 
     def keep(self, row: dict) -> None:
         """Remember the row's kept input columns (nothing when none are kept)."""
