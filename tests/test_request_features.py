@@ -197,7 +197,12 @@ def test_structured_output_per_row_on_the_native_engine(tmp_path, tiny_model_dir
     errors = {e["id"]: e["error"] for e in read_run_table(out / "r", "errors").to_pylist()}
     jsonschema.validate(json.loads(req["js"]["text"]), SCHEMA)
     assert req["js"]["finish_reason"] == "stop"
-    assert isinstance(json.loads(req["obj"]["text"]), (dict, list, str, int, float, bool, type(None)))
+    # any JSON: a random model may keep a string open until max_tokens; what stopped must parse
+    assert req["obj"]["finish_reason"] in ("stop", "length")
+    if req["obj"]["finish_reason"] == "stop":
+        assert isinstance(json.loads(req["obj"]["text"]), (dict, list, str, int, float, bool, type(None)))
+    else:
+        assert req["obj"]["text"].lstrip().startswith("{")  # an object was begun
     import re
 
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", req["re"]["text"])

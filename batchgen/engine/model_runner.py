@@ -26,6 +26,7 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size, device)
         self.constraints = constraints  # batchgen.engine.structured.GrammarConstraints: masks constrained rows
         self.num_computed_positions = 0  # positions run through the model (the lab's count)
+        self.num_exact_fallbacks = 0  # sampled rows whose top-p set reached past the candidates
 
     def execute(self, chunks: list[Chunk]) -> tuple[list[int], list[tuple[float, list] | None] | None]:
         """Run the step. Returns one sampled token per chunk that reaches its request's end, in order,
@@ -45,10 +46,17 @@ class ModelRunner:
         if self.constraints is not None and self.constraints.matchers:
             masked = logits.clone()  # a copy: logprobs stay those of the raw distribution
             self.constraints.mask(masked, [r.request_id for r in sampling])
-        tokens = self._sample(masked, sampling)
+        tokens, short = self._sample(masked, sampling)
         wants = [r.sampling.logprobs for r in sampling]
         if all(k is None for k in wants):
-            return tokens.tolist(), None  # the one host sync
+            toks = tokens.tolist()  # the one host sync
+            if short is not None and -1 in toks:  # a flat distribution reached past the candidates
+                toks = self._exact(masked, sampling, toks)
+            return toks, None
+        if short is not None:  # logprobs gather at the chosen tokens: resolve flagged rows first
+            toks = tokens.tolist()
+            if -1 in toks:
+                tokens = torch.tensor(self._exact(masked, sampling, toks), device=tokens.device)
         return self._with_logprobs(logits, tokens, wants)
 
     @staticmethod
@@ -126,20 +134,37 @@ class ModelRunner:
 
     # ---- sampling ----------------------------------------------------------------------------------
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens [R], with -1 at rows the sampler flagged for its exact path (see `_exact`)."""
         sp = [r.sampling for r in reqs]
-        all_greedy = all(s.greedy for s in sp)
-        if all_greedy:
-            return logits.argmax(dim=-1)
-        dev = self.device
-        use_top = any(s.top_k > 0 or s.top_p < 1.0 for s in sp if not s.greedy)
-        return self.sampler(
-            logits, torch.tensor([float(s.temperature) for s in sp], device=dev),
-            torch.tensor([float(s.top_p) for s in sp], device=dev),
-            torch.tensor([s.top_k for s in sp], dtype=torch.int64, device=dev),
-            torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev),
-            torch.tensor([len(r.output_token_ids) for r in reqs], dtype=torch.int64, device=dev),  # the noise counter
-            False, use_top)
+        if all(s.greedy for s in sp):
+            return logits.argmax(dim=-1), None
+        sampled = [s for s in sp if not s.greedy]
+        use_top = any(s.top_k > 0 or s.top_p < 1.0 for s in sampled)
+        any_plain = any(s.top_k <= 0 and s.top_p >= 1.0 for s in sampled)
+        tokens, short = self.sampler.sample(logits, *self._sampling_tensors(reqs), all_greedy=False,
+                                            use_top=use_top, any_plain=any_plain,
+                                            max_top_k=max(s.top_k for s in sampled),
+                                            any_greedy=len(sampled) < len(sp))
+        return (tokens, None) if short is None else (torch.where(short, -1, tokens), short)
+
+    def _sampling_tensors(self, reqs: list[Request]) -> tuple[torch.Tensor, ...]:
+        dev, sp = self.device, [r.sampling for r in reqs]
+        return (torch.tensor([float(s.temperature) for s in sp], device=dev),
+                torch.tensor([float(s.top_p) for s in sp], device=dev),
+                torch.tensor([s.top_k for s in sp], dtype=torch.int64, device=dev),
+                torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev),
+                torch.tensor([len(r.output_token_ids) for r in reqs], dtype=torch.int64, device=dev))  # the counter
+
+    def _exact(self, logits: torch.Tensor, reqs: list[Request], toks: list[int]) -> list[int]:
+        """Redo the flagged rows (-1) over the whole sorted vocabulary: a second sync, rare."""
+        rows = [i for i, t in enumerate(toks) if t == -1]
+        fixed = self.sampler.exact(logits[rows], *self._sampling_tensors([reqs[i] for i in rows])).tolist()
+        out = list(toks)
+        for i, t in zip(rows, fixed):
+            out[i] = t
+        self.num_exact_fallbacks += len(rows)
+        return out
 
 
 def _pairs(pairs: tuple[list, list, list], tile: int, table: list[int], last_pos: int, bs: int, kt: int) -> None:

@@ -1,9 +1,18 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, with per-request reproducible noise.
+"""Batched sampling: greedy, temperature, top-k, top-p, with per-request reproducible randomness.
 
-No Python loop over rows and no torch.Generator per request: the noise for (seed, token index,
-vocab id) comes from a counter-based integer hash computed as one tensor op chain, so a request's
-random draws do not depend on which other requests share its batch or on scheduling order.
-Sampling uses the exponential-race trick (argmax of probs / Exp(1) noise), as vLLM does.
+No Python loop over rows and no torch.Generator per request. Each draw uses one uniform number per
+row from a counter-based hash of (seed, token index), so a request's draws do not depend on which
+other requests share its batch or on scheduling order. The token is the inverse CDF of that
+uniform, so no noise over the whole vocabulary is drawn and nothing is sorted in full:
+
+- temperature only: the inverse CDF of softmax(logits / T) in vocabulary order, found in two levels
+  (sums of blocks of ids, then inside one block);
+- top-k / top-p: the `topk` candidates (at least CANDIDATES, at least the batch's largest top_k),
+  their probabilities from the full-vocabulary log-sum-exp, the smallest prefix reaching top_p, then
+  the inverse CDF within it. A row whose kept set would reach past the candidates (a flat
+  distribution) is flagged and redone exactly over the sorted vocabulary (`exact`). The result is
+  the same either way: the kept set is a prefix of the sorted order, so it does not depend on how
+  many candidates were taken.
 """
 
 from __future__ import annotations
@@ -16,42 +25,137 @@ _M3 = -7723592293110705685  # 0x94D049BB133111EB
 _LOW33 = (1 << 33) - 1
 _LOW34 = (1 << 34) - 1
 _LOW37 = (1 << 37) - 1
+CANDIDATES = 128  # top-k / top-p candidates taken before any fallback
+MAX_CANDIDATES = 1024  # a larger top_k is served by the exact path
+EXACT_CANDIDATES = 2048  # the exact path's first try, before a full sort
 
 
-def hash_uniform(seed: torch.Tensor, counter: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
-    """Uniform (0, 1) floats [R, V] from splitmix64 over (seed, counter, vocab id); int64 wraps on overflow."""
-    x = (seed * _M1 + counter * _M2)[:, None] + vocab[None, :] * _M3  # [R, V]
-    x = x ^ ((x >> 30) & _LOW34)  # logical shifts: mask off the sign extension
+def hash_uniform(seed: torch.Tensor, counter: torch.Tensor, lane: torch.Tensor | None = None) -> torch.Tensor:
+    """Uniform (0, 1) floats from splitmix64 over (seed, counter[, lane]): [R], or [R, L] with lanes.
+    int64 arithmetic wraps on overflow; shifts are made logical by masking off the sign extension."""
+    x = seed * _M1 + counter * _M2
+    if lane is not None:
+        x = x[:, None] + lane[None, :] * _M3
+    x = x ^ ((x >> 30) & _LOW34)
     x = x * _M2
     x = x ^ ((x >> 27) & _LOW37)
     x = x * _M3
     x = x ^ ((x >> 31) & _LOW33)
-    return (((x >> 40) & 0xFFFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return (((x >> 40) & 0xFFFFFF).to(torch.float64) + 0.5) * (1.0 / (1 << 24))
+
+
+def _below(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """x, kept strictly below total: u x total can round up to it, and the pick must have weight."""
+    return torch.minimum(x, torch.nextafter(total, torch.zeros_like(total)))
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index of the first position whose cumulative weight passes u x the row's total; weights [R, N]
+    non-negative (unnormalised), u [R] in (0, 1). Zero-weight positions are never picked."""
+    cdf = weights.cumsum(dim=-1)
+    x = _below(u.to(cdf.dtype) * cdf[:, -1], cdf[:, -1])
+    return torch.searchsorted(cdf, x[:, None], right=True)[:, 0]
+
+
+def _inverse_cdf_blocked(weights: torch.Tensor, u: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """`_inverse_cdf` over a whole vocabulary in two levels, since a cumulative sum over 50k-150k
+    entries is sequential and slow: the sums of blocks of `block` ids (one vectorised pass), the
+    block where u x total falls, then the position inside that one block. Sums run in float64."""
+    R, V = weights.shape
+    if V % block:
+        weights = torch.nn.functional.pad(weights, (0, block - V % block))
+    blocks = weights.view(R, -1, block)
+    cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum_(dim=-1)  # [R, V / block]
+    x = _below(u * cdf[:, -1], cdf[:, -1])
+    b = torch.searchsorted(cdf, x[:, None], right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+    before = torch.where(b > 0, cdf.gather(1, (b - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    inner = blocks[torch.arange(R, device=weights.device), b].double().cumsum_(dim=-1)  # [R, block]
+    j = torch.searchsorted(inner, _below(x - before, inner[:, -1])[:, None], right=True)[:, 0]
+    return b * block + j
 
 
 class Sampler:
     def __init__(self, vocab_size: int, device):
-        self.vocab = torch.arange(vocab_size, device=device, dtype=torch.int64)
+        self.vocab_size = vocab_size
+        self.device = device
+        self._buf: torch.Tensor | None = None  # scratch [rows, V] for the scaled logits
+
+    @staticmethod
+    def num_candidates(max_top_k: int, vocab_size: int) -> int:
+        return min(vocab_size, max(CANDIDATES, min(max_top_k, MAX_CANDIDATES)))
+
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+               seed: torch.Tensor, counter: torch.Tensor, all_greedy: bool, use_top: bool, any_plain: bool = True,
+               max_top_k: int = 0, any_greedy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [R, V] fp32; per-row temperature/top_p [R] float, top_k/seed/counter [R] int64.
+        Host-side facts about the sampled rows, so that no branch needs a sync: use_top (some row has
+        top-k or top-p), any_plain (some row has neither), max_top_k, any_greedy (some row has T = 0).
+        Returns token ids [R] (greedy where temperature is 0) and, with top-k/top-p, a bool [R]: rows
+        whose kept set reaches past the candidates, to be redone by `exact` (their token is invalid)."""
+        if all_greedy:
+            return logits.argmax(dim=-1), None
+        u = hash_uniform(seed, counter)
+        inv_t = 1.0 / temperature.clamp(min=1e-5)
+        # log-probabilities at temperature T, in a buffer kept across steps (no 50k x R allocation)
+        logp = torch.log_softmax(torch.mul(logits, inv_t[:, None], out=self._scratch(logits)), dim=-1)
+        sampled = short = None
+        if any_plain or not use_top:  # temperature only: the whole vocabulary, in id order
+            sampled = _inverse_cdf_blocked(logp.exp_() if not use_top else logp.exp(), u)
+        if use_top:
+            k = self.num_candidates(max_top_k, self.vocab_size)
+            top, short = self._top(logits, logp, top_p, top_k, u, k)
+            plain = (top_p >= 1.0) & (top_k <= 0)
+            sampled = top if sampled is None else torch.where(plain, sampled, top)
+            short &= ~plain & (temperature > 0)
+        if any_greedy:
+            sampled = torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
+        return sampled, short
+
+    def _scratch(self, logits: torch.Tensor) -> torch.Tensor:
+        R = logits.shape[0]
+        if self._buf is None or self._buf.shape[0] < R or self._buf.dtype != logits.dtype:
+            self._buf = torch.empty((max(R, 64), logits.shape[1]), dtype=logits.dtype, device=logits.device)
+        return self._buf[:R]
+
+    def _top(self, logits: torch.Tensor, logp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+             u: torch.Tensor, k: int):
+        """The candidates are the k largest raw logits (a positive temperature keeps the order);
+        their probabilities come from the full softmax at the row's temperature."""
+        idx = logits.topk(k, dim=-1).indices  # sorted, largest first
+        probs = logp.gather(1, idx).exp_()  # [R, k]
+        mass = probs.cumsum(dim=-1)
+        ranks = torch.arange(k, device=logits.device)
+        # the smallest prefix whose mass reaches top_p (the first candidate always stays), and top_k
+        keep = ((mass - probs) < top_p[:, None]) & (ranks[None, :] < torch.where(top_k > 0, top_k, k)[:, None])
+        if k < logits.shape[-1]:
+            short = (mass[:, -1] < top_p) & ((top_k <= 0) | (top_k > k))
+        else:
+            short = torch.zeros_like(top_p, dtype=torch.bool)
+        j = _inverse_cdf((probs * keep).double(), u)  # float64: k values, cheap
+        return idx.gather(1, j[:, None])[:, 0], short
+
+    def exact(self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+              seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+        """The flagged rows' tokens by the same rule with more candidates: EXACT_CANDIDATES first, then,
+        for rows still short, the whole sorted vocabulary (a sort is slow: about 1.5 ms a row at 49k)."""
+        logp = torch.log_softmax(logits * (1.0 / temperature.clamp(min=1e-5))[:, None], dim=-1)  # as `sample`
+        u = hash_uniform(seed, counter)
+        k = min(EXACT_CANDIDATES, logits.shape[-1])
+        tokens, short = self._top(logits, logp, top_p, top_k, u, k)
+        if k < logits.shape[-1] and bool(short.any()):
+            rows = short.nonzero()[:, 0]
+            tokens[rows] = self._top(logits[rows], logp[rows], top_p[rows], top_k[rows], u[rows], logits.shape[-1])[0]
+        return tokens
 
     def __call__(self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
                  seed: torch.Tensor, counter: torch.Tensor, all_greedy: bool, use_top: bool) -> torch.Tensor:
-        """logits [R, V] fp32; per-row temperature/top_p [R] float, top_k/seed/counter [R] int64.
-        Returns sampled token ids [R] (greedy where temperature is 0)."""
-        greedy = logits.argmax(dim=-1)
-        if all_greedy:
-            return greedy
-        scaled = logits / temperature.clamp(min=1e-5)[:, None]
-        if use_top:
-            sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [R, V]
-            ranks = self.vocab[None, :]
-            k = torch.where(top_k > 0, top_k, self.vocab.numel())
-            drop = ranks >= k[:, None]
-            probs_sorted = sorted_logits.softmax(dim=-1)
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-            drop |= (probs_sorted.cumsum(dim=-1) - probs_sorted) >= top_p[:, None]
-            sorted_logits.masked_fill_(drop, float("-inf"))
-            scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
-        probs = scaled.softmax(dim=-1)
-        noise = -torch.log(hash_uniform(seed, counter, self.vocab))  # Exp(1), [R, V]
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(temperature > 0, sampled, greedy)
+        """`sample`, then `exact` for any flagged row (a second host sync, only then)."""
+        max_top_k = int(top_k.max()) if use_top else 0
+        tokens, short = self.sample(logits, temperature, top_p, top_k, seed, counter, all_greedy, use_top,
+                                    max_top_k=max_top_k)
+        if short is not None and bool(short.any()):
+            rows = short.nonzero()[:, 0]
+            tokens = tokens.clone()
+            tokens[rows] = self.exact(logits[rows], temperature[rows], top_p[rows], top_k[rows], seed[rows],
+                                      counter[rows])
+        return tokens

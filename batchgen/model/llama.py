@@ -3,7 +3,8 @@ Qwen3 with q/k norm), written for decode.
 
 Shapes: T = tokens of a step (every sequence's chunk side by side), N = sequences in a padded batch
 (the no-cache path), P = its padded length, H/Hkv = query/KV heads, G = H / Hkv, D = head_dim,
-E = hidden size, V = vocab. Weights are fused at load (qkv, gate_up) so a layer is four matmuls.
+E = hidden size, V = vocab. Weights are fused at load (qkv, gate_up) so a layer is four matmuls, each
+a `Linear` in the layout fastest for the device's kernel (batchgen.model.linear).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.config import ModelConfig
+from batchgen.model.linear import Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -23,9 +25,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, where rotate_half(x) = [-x2, x1]: rolling x by half a head
+    gives [x2, x1], and `sin_signed` carries the minus on its first half (exact: a sign flip)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def rope_inv_freq(c: ModelConfig) -> torch.Tensor:
@@ -48,11 +51,10 @@ def rope_inv_freq(c: ModelConfig) -> torch.Tensor:
 class Layer:
     """One decoder layer's fused weights."""
 
-    def __init__(self, input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, q_norm=None, k_norm=None,
-                 attn_out_norm=None, mlp_out_norm=None, window=None):
+    def __init__(self, input_norm, qkv: Linear, o: Linear, post_norm, gate_up: Linear, down: Linear, q_norm=None,
+                 k_norm=None, attn_out_norm=None, mlp_out_norm=None, window=None):
         self.input_norm = input_norm  # [E]
-        self.qkv = qkv  # [(H + 2 Hkv) D, E]
-        self.qkv_bias = qkv_bias  # [(H + 2 Hkv) D] or None
+        self.qkv = qkv  # [(H + 2 Hkv) D, E], with q/k/v bias where the model has one
         self.q_norm = q_norm  # [D] or None (qwen3)
         self.k_norm = k_norm  # [D] or None
         self.attn_out_norm = attn_out_norm  # [E] or None (Gemma 2's sandwich norms)
@@ -68,12 +70,12 @@ class LlamaModel:
     """Holds the weights and runs prefill / decode against a KV cache (or none, for the lab)."""
 
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[Layer], norm: torch.Tensor,
-                 lm_head: torch.Tensor, max_positions: int):
+                 lm_head: Linear, max_positions: int):
         self.config = config
         self.embed = embed  # [V, E]
         self.layers = layers
         self.norm = norm  # [E]
-        self.lm_head = lm_head  # [V, E]; the same tensor as embed when tied
+        self.lm_head = lm_head  # [V, E]; the embedding's values when tied
         self.dtype = embed.dtype
         self.device = embed.device
         c = config
@@ -86,15 +88,20 @@ class LlamaModel:
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)  # [max_pos, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, D]
+        sign = torch.cat((-torch.ones(c.head_dim // 2), torch.ones(c.head_dim // 2)))
         self.cos = emb.cos().to(self.dtype).to(self.device)
-        self.sin = emb.sin().to(self.dtype).to(self.device)
+        self.sin = (emb.sin() * sign).to(self.dtype).to(self.device)  # signed for apply_rope
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of every matrix read by one decode step (the embedding counted as its rows, so excluded)."""
-        n = sum(t.numel() * t.element_size() for l in self.layers
-                for t in (l.input_norm, l.qkv, l.o, l.post_norm, l.gate_up, l.down) if t is not None)
-        return n + self.norm.numel() * self.norm.element_size() + self.lm_head.numel() * self.lm_head.element_size()
+        n = sum(t.numel() * t.element_size() for l in self.layers for t in (l.input_norm, l.post_norm))
+        n += sum(m.nbytes for l in self.layers for m in (l.qkv, l.o, l.gate_up, l.down))
+        return n + self.norm.numel() * self.norm.element_size() + self.lm_head.nbytes
+
+    @property
+    def weight_layout(self) -> str:
+        return self.lm_head.layout
 
     # ---- pieces shared by prefill and decode -------------------------------------------------
 
@@ -102,7 +109,7 @@ class LlamaModel:
         """h [..., E] -> q [..., H, D], k and v [..., Hkv, D] (q and k normalised per head where the model does)."""
         c = self.config
         x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
-        q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = layer.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.unflatten(-1, (c.num_heads, c.head_dim))
         k = k.unflatten(-1, (c.num_kv_heads, c.head_dim))
         if layer.q_norm is not None:
@@ -117,21 +124,21 @@ class LlamaModel:
 
     def _attn_residual(self, layer: Layer, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """h + the attention output o [..., H D] through o_proj (and Gemma 2's output norm)."""
-        out = F.linear(o, layer.o)
+        out = layer.o(o)
         if layer.attn_out_norm is not None:
             out = rms_norm(out, layer.attn_out_norm, self.config.rms_norm_eps)
         return h + out
 
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        out = F.linear(self.act(gate) * up, layer.down)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        out = layer.down(self.act(gate) * up)
         if layer.mlp_out_norm is not None:
             out = rms_norm(out, layer.mlp_out_norm, self.config.rms_norm_eps)
         return h + out
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(rms_norm(h, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        logits = self.lm_head(rms_norm(h, self.norm, self.config.rms_norm_eps)).float()
         cap = self.config.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -149,8 +156,7 @@ class LlamaModel:
         h = self._embed(tokens)  # [T, E]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, h)  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             kv.write(i, block_idx, offset, k, v)  # first, so a chunk's queries see their own keys
             k_cache, v_cache = kv.layer(i)
             o = attention(q.view(T, Hkv, G, D), k_cache, v_cache, meta, self.scale,
@@ -172,8 +178,7 @@ class LlamaModel:
         pos = torch.arange(P, device=h.device)
         for layer in self.layers:
             q, k, v = (x.transpose(1, 2) for x in self._qkv(layer, h))  # [N, H, P, D], [N, Hkv, P, D] x2
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             if layer.window is None and c.attn_softcap is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                    enable_gqa=self.group > 1)

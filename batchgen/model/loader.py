@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from batchgen.config import ConfigError, ModelConfig
+from batchgen.model.linear import Linear
 from batchgen.model.llama import Layer, LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,8 +76,9 @@ def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
-               max_positions: int | None = None) -> LlamaModel:
-    """Load a local Llama-family checkpoint, fusing q/k/v and gate/up for fewer, larger matmuls."""
+               max_positions: int | None = None, pack_weights: bool = True) -> LlamaModel:
+    """Load a local Llama-family checkpoint, fusing q/k/v and gate/up for fewer, larger matmuls, each
+    in the layout fastest for the device's kernel (`pack_weights=False` keeps the checkpoint's)."""
     config = read_model_config(model_dir)
     state = load_state_dict(model_dir)
     dt = DTYPES[dtype]
@@ -91,6 +93,9 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
         w = take(name)
         return w + 1 if config.norm_plus_one else w
 
+    def linear(w, bias=None) -> Linear:
+        return Linear(w, bias, pack=pack_weights)
+
     embed = take("model.embed_tokens.weight")
     layers = []
     for i in range(config.num_layers):
@@ -103,14 +108,13 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
         sandwich = config.sandwich_norms  # Gemma 2: post_attention_layernorm norms the attention's output
         layers.append(Layer(
             input_norm=norm(p + "input_layernorm.weight"),
-            qkv=torch.cat([q, k, v]).contiguous(),
-            qkv_bias=bias,
+            qkv=linear(torch.cat([q, k, v]), bias),
             q_norm=take(p + "self_attn.q_norm.weight") if config.qk_norm else None,
             k_norm=take(p + "self_attn.k_norm.weight") if config.qk_norm else None,
-            o=take(p + "self_attn.o_proj.weight"),
+            o=linear(take(p + "self_attn.o_proj.weight")),
             post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
-            gate_up=torch.cat([gate, up]).contiguous(),
-            down=take(p + "mlp.down_proj.weight"),
+            gate_up=linear(torch.cat([gate, up])),
+            down=linear(take(p + "mlp.down_proj.weight")),
             attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
             mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
             window=config.sliding_window if i in config.sliding_layers else None,
@@ -118,8 +122,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     final_norm = norm("model.norm.weight")
     lm_head = take("lm_head.weight", required=not config.tie_word_embeddings)
     if lm_head is None:
-        lm_head = embed
-    return LlamaModel(config, embed, layers, final_norm, lm_head,
+        lm_head = embed  # tied: a packed layout is a copy, the plain one shares the embedding's memory
+    return LlamaModel(config, embed, layers, final_norm, linear(lm_head),
                       max_positions=max_positions or config.max_position_embeddings)
 
 
