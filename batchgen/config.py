@@ -195,10 +195,11 @@ class EngineConfig:
     block_size: int = 16  # positions per KV block
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 4096  # tokens per step: decode tokens plus chunks of prompts
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: the fastest for this machine and max_num_seqs (batchgen.engine.precision)
     device: str = "cpu"
     enable_kv_cache: bool = True  # False recomputes the whole history every step (the lab)
     attention_backend: str = "auto"  # auto: FlashInfer on CUDA where installed, else the PyTorch path
+    pack_weights: bool = True  # weights in the kernel's fastest layout (False: the checkpoint's, for A/B)
     seed: int = 0  # run-level seed; requests without their own seed derive one from it and their id
 
     def __post_init__(self) -> None:
@@ -217,7 +218,7 @@ class EngineConfig:
         _require(self.max_num_batched_tokens >= self.max_num_seqs,
                  f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                  f"({self.max_num_seqs}): every running sequence needs a token of each step's budget")
-        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.dtype in DTYPES + ("auto",), f"dtype must be auto or one of {DTYPES}, got {self.dtype!r}")
         _require(self.attention_backend in ATTENTION_BACKENDS,
                  f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 

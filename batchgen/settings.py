@@ -61,7 +61,9 @@ class GenerateSettings(BaseModel):
                                         description="reuse the KV of prompt prefixes that rows share")
     max_num_batched_tokens: int = Field(4096, ge=1, title="Max tokens per step",
                                         description="decode tokens plus chunks of prompts, in one forward pass")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", title="Dtype")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", title="Dtype", description="auto: the weight dtype measured fastest on this machine for "
+                                           "max_num_seqs (native engine; vLLM applies its own auto rule)")
     device: str = Field("cpu", title="Device", pattern=r"^(cpu|cuda(:\d+)?)$")
     attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
         "auto", title="Attention kernel (native engine)",

@@ -60,7 +60,7 @@ def fake_flashinfer(monkeypatch):
 
 
 def greedy(model_dir, backend, **kw):
-    e = NativeEngine(model_dir, EngineConfig(max_num_seqs=3, max_model_len=256, block_size=8, kv_cache_tokens=56,
+    e = NativeEngine(model_dir, EngineConfig(dtype="float32", max_num_seqs=3, max_model_len=256, block_size=8, kv_cache_tokens=56,
                                              max_num_batched_tokens=11, attention_backend=backend, **kw))
     prompts = [list(range(100 + 9 * i, 100 + 9 * i + 4 + 6 * i)) for i in range(5)]
     for i, p in enumerate(prompts):

@@ -35,7 +35,7 @@ def runs(tmp_path_factory):
     out = {}
     for engine in ENGINES:
         cfg = RunConfig(inputs=(str(inp),), output_dir=str(root), run_id=engine, engine=engine, shard_size=7,
-                        engine_config=EngineConfig(max_num_seqs=4, max_model_len=512),
+                        engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),
                         sampling=SamplingParams(max_tokens=24, logprobs=2), keep_columns=("source",),
                         progress=False)
         summary = generate(cfg, probe=False)
@@ -115,7 +115,7 @@ def test_same_error_handling(runs, engine):
 
 def test_vllm_rejects_a_request_it_cannot_take_as_a_row_error(runs):
     cfg = RunConfig(inputs=("x",), output_dir="x", engine="vllm",
-                    engine_config=EngineConfig(max_num_seqs=4, max_model_len=512))
+                    engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512))
     from batchgen.model.prepare import resolve_model
 
     engine = load_engine(cfg, resolve_model(cfg.model))  # the engine the vllm run left loaded
@@ -166,7 +166,7 @@ def test_speculative_ngram_steps_emit_several_tokens_sharing_one_time(tmp_path, 
                    inp)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id="spec", engine="vllm",
-                    engine_config=EngineConfig(max_num_seqs=4, max_model_len=512),
+                    engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),
                     sampling=SamplingParams(max_tokens=32), engine_options=(("speculative_config", spec),),
                     progress=False)
     generate(cfg, probe=False)
@@ -195,7 +195,7 @@ def test_dead_vllm_engine_fails_the_run_and_a_rerun_resumes(tmp_path, runs):
     inp = tmp_path / "in.parquet"
     pq.write_table(pq.read_table(TEST_DATA / "alpaca_seed_prompts.parquet").slice(0, 6), inp)
     cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id="dies", engine="vllm", shard_size=3,
-                    engine_config=EngineConfig(max_num_seqs=4, max_model_len=512),
+                    engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),
                     sampling=SamplingParams(max_tokens=8), progress=False)
     engine = load_engine(cfg, resolve_model(cfg.model))
     cores = [p for p in psutil.Process().children(recursive=True)
@@ -253,7 +253,7 @@ def test_vllm_runs_a_family_the_native_engine_refuses(tmp_path, real_model_dir):
                                                "attention_multiplier": 0.125, "logits_scaling": 1.0}))
     with pytest.raises(ModelLoadError, match="Use --engine vllm"):
         read_model_config(d)
-    engine = VllmEngine(d, EngineConfig(max_num_seqs=2, max_model_len=256))
+    engine = VllmEngine(d, EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=256))
     try:
         engine.add("a", engine.tokenizer.encode("The capital of France is"), SamplingParams(max_tokens=4))
         done = []
@@ -284,7 +284,7 @@ def test_json_schema_output_validates_on_52_rows(tmp_path, runs, engine):
     inp = tmp_path / "in.parquet"
     pq.write_table(__import__("pyarrow").Table.from_pylist(rows), inp)
     cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id=engine, engine=engine, shard_size=26,
-                    engine_config=EngineConfig(max_num_seqs=4, max_model_len=512),  # the fixture's: vLLM is reused
+                    engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),  # the fixture's: vLLM is reused
                     sampling=SamplingParams(max_tokens=48, structured=spec), progress=False)
     summary = generate(cfg, probe=False)
     assert summary.rows == 52 and summary.errors == 0
@@ -319,7 +319,7 @@ def test_lora_adapter_per_row_on_vllm_and_a_clear_error_on_native(tmp_path, tiny
                         ids=["a0", "a1", "a2", "b0", "b1", "b2", "unknown"],
                         lora=["tiny"] * 3 + [None] * 3 + ["nope"])
     common = dict(inputs=(str(inp),), output_dir=str(tmp_path), shard_size=10, progress=False,
-                  engine_config=EngineConfig(max_num_seqs=4, max_model_len=256), sampling=SamplingParams(max_tokens=8),
+                  engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=256), sampling=SamplingParams(max_tokens=8),
                   lora_adapters=(("tiny", str(tiny_adapter)),))
     generate(RunConfig(**common, engine="vllm", run_id="vllm"), probe=False)
     t = tables(tmp_path / "vllm")
@@ -340,7 +340,7 @@ def test_n_samples_are_the_same_rows_with_the_same_seeds_on_both_engines(tmp_pat
 
     inp = write_prompts(tmp_path / "in.parquet", ["Name a colour.", "Name a fruit.", "  "], ids=["c", "f", "empty"])
     cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id=engine, engine=engine, n=3,
-                    engine_config=EngineConfig(max_num_seqs=4, max_model_len=512),  # the fixture's: vLLM is reused
+                    engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),  # the fixture's: vLLM is reused
                     sampling=SamplingParams(max_tokens=6, temperature=0.9), progress=False)
     generate(cfg, probe=False)
     t = tables(tmp_path / engine)

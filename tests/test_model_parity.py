@@ -24,7 +24,7 @@ def hf_greedy(model_dir, prompts_ids, max_new):
 
 def engine_greedy(model_dir, prompts_ids, max_new, max_num_seqs, stats=None, **kw):
     kw.setdefault("max_num_batched_tokens", 4096)
-    e = NativeEngine(model_dir, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=512, **kw))
+    e = NativeEngine(model_dir, EngineConfig(dtype="float32", max_num_seqs=max_num_seqs, max_model_len=512, **kw))
     for i, (ids, n) in enumerate(zip(prompts_ids, max_new)):
         e.add(str(i), ids, SamplingParams(max_tokens=n, ignore_eos=True))
     out, max_concurrency = {}, 0
@@ -202,7 +202,7 @@ def test_logprobs_are_hfs_raw_log_softmax(tiny_model_dir):
     g = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
                     output_logits=True, return_dict_in_generate=True)
     ref = [torch.log_softmax(step[0].float(), -1) for step in g.logits]  # raw logits of each new token
-    e = NativeEngine(tiny_model_dir, EngineConfig(max_num_seqs=2, max_model_len=128))
+    e = NativeEngine(tiny_model_dir, EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=128))
     e.add("lp", prompt, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=3))
     e.add("none", prompt, SamplingParams(max_tokens=n, ignore_eos=True))  # same batch, no logprobs
     got = {"lp": [], "none": []}
@@ -222,7 +222,7 @@ def test_logprobs_are_hfs_raw_log_softmax(tiny_model_dir):
 
 def test_seeded_samples_are_the_same_with_and_without_preemption(tiny_model_dir):
     def sampled(**kw):
-        e = NativeEngine(tiny_model_dir, EngineConfig(max_num_seqs=4, max_model_len=512, block_size=8, **kw))
+        e = NativeEngine(tiny_model_dir, EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512, block_size=8, **kw))
         for i, (ids, n) in enumerate(zip(TINY_PROMPTS, TINY_MAX_NEW)):
             e.add(str(i), ids, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.9, top_p=0.9, seed=100 + i))
         out, preempted = {}, 0

@@ -20,6 +20,7 @@ from batchgen.engine.base import Engine, FinishedRequest, RequestRejected, StepR
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.kv_cache import PagedKVCache, free_memory_bytes
 from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.precision import resolve_dtype
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.structured import GrammarConstraints
@@ -37,11 +38,13 @@ class NativeEngine(Engine):
         self.model_dir = Path(model_dir)
         c = read_model_config(model_dir)
         self.max_model_len = min(config.max_model_len, c.max_position_embeddings)
-        self.model = load_model(model_dir, config.dtype, config.device, max_positions=self.max_model_len)
+        self.dtype, self.dtype_choice = resolve_dtype(config.dtype, config.device, config.max_num_seqs)
+        self.model = load_model(model_dir, self.dtype, config.device, max_positions=self.max_model_len,
+                                pack_weights=config.pack_weights)
         self.tokenizer = Tokenizer(model_dir)
         self.eos_token_ids = set(c.eos_token_ids)
         self.clock = clock or monotonic_clock()
-        bpe = torch.finfo(DTYPES[config.dtype]).bits // 8
+        bpe = torch.finfo(DTYPES[self.dtype]).bits // 8
         self.kv_bytes_per_token = c.kv_bytes_per_token(bpe)
         self.row_embed_bytes = c.hidden_size * bpe
         bs = config.block_size
@@ -51,7 +54,7 @@ class NativeEngine(Engine):
         num_blocks = max(1, min(pool_bytes // block_bytes, most_useful))
         self.blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching and config.enable_kv_cache)
         attention = select_backend(config.device, config.attention_backend) if config.enable_kv_cache else None
-        kv = (PagedKVCache(c.num_layers, num_blocks, bs, c.num_kv_heads, c.head_dim, DTYPES[config.dtype],
+        kv = (PagedKVCache(c.num_layers, num_blocks, bs, c.num_kv_heads, c.head_dim, DTYPES[self.dtype],
                            config.device, attention.kv_layout) if attention else None)
         self.constraints = GrammarConstraints(model_dir, c.vocab_size, sorted(self.eos_token_ids))
         self.runner = ModelRunner(self.model, kv, attention, c.vocab_size, config.device, self.constraints)
@@ -105,7 +108,8 @@ class NativeEngine(Engine):
         c, kv = self.config, self.runner.kv
         return {
             "engine": self.name, "engine_version": batchgen.__version__, "torch_version": torch.__version__,
-            "dtype": c.dtype, "quantization": None, "device": c.device, "torch_threads": torch.get_num_threads(),
+            "dtype": self.dtype, "dtype_choice": self.dtype_choice, "weight_layout": self.model.weight_layout,
+            "quantization": None, "device": c.device, "torch_threads": torch.get_num_threads(),
             "max_num_seqs": c.max_num_seqs, "max_model_len": self.max_model_len,
             "kv_budget_tokens": self.blocks.num_blocks * self.blocks.block_size, "kv_block_size": self.blocks.block_size,
             "kv_num_blocks": self.blocks.num_blocks, "kv_cache_bytes": kv.nbytes if kv else 0,

@@ -150,7 +150,7 @@ class VllmEngine(Engine):
         on_cpu = config.device == "cpu"
         options.setdefault("enforce_eager", on_cpu)  # torch.compile costs minutes of start-up on CPU
         options.setdefault("max_num_batched_tokens", max(config.max_num_batched_tokens, self.max_model_len))
-        bpe = BYTES[config.dtype]
+        bpe = BYTES.get(config.dtype) or (4 if shape.get("torch_dtype") == "float32" else 2)  # auto: vLLM's rule
         self.kv_bytes_per_token = 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * bpe
         # the same KV memory as the native engine: an explicit budget, or (CPU) the same fixed default;
         # on CUDA without a budget, vLLM's own gpu_memory_utilization sizes it
@@ -183,6 +183,8 @@ class VllmEngine(Engine):
                           max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, seed=config.seed,
                           disable_log_stats=False, **options)
         self.engine = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._stats)])
+        resolved = getattr(getattr(self.engine, "model_config", None), "dtype", None)
+        self._dtype = str(resolved).removeprefix("torch.") if resolved is not None else config.dtype
         self._closing = False
         self._watch_engine_core()
         self.weight_bytes = count_decode_weight_elements(model_dir) * bpe
@@ -346,7 +348,8 @@ class VllmEngine(Engine):
         c = self.config
         return {
             "engine": self.name, "engine_version": self._vllm_version, "batchgen_version": batchgen.__version__,
-            "dtype": c.dtype, "quantization": self.options.get("quantization"), "device": c.device,
+            "dtype": self._dtype, "dtype_choice": "as requested" if c.dtype != "auto" else "auto: vLLM's rule",
+            "quantization": self.options.get("quantization"), "device": c.device,
             "max_num_seqs": c.max_num_seqs, "max_model_len": self.max_model_len,
             "kv_budget_tokens": (self.options["kv_cache_memory_bytes"] // self.kv_bytes_per_token
                                  if "kv_cache_memory_bytes" in self.options else None),

@@ -64,14 +64,21 @@ def machine_key(device: str) -> str:
 
 def cached_probe(device: str = "cpu", cache_dir: Path | None = None) -> dict[str, float | str]:
     """probe_device's figures for this machine: measured once, then read from the cache."""
+    return cached_measurement("", device, probe_device, cache_dir, prefix="probe")
+
+
+def cached_measurement(name: str, device: str, measure, cache_dir: Path | None = None,
+                       prefix: str = "probe") -> dict:
+    """`measure(device)`'s JSON-able dict for this machine: measured once, then read from
+    BATCHGEN_HOME/probe/<machine key><name>.json (BATCHGEN_REPROBE=1 measures again)."""
     home = Path(os.environ.get("BATCHGEN_HOME", Path.home() / ".cache" / "batchgen"))
-    path = (cache_dir or home / "probe") / f"{machine_key(device)}.json"
+    path = (cache_dir or home / "probe") / f"{machine_key(device)}{name}.json"
     if path.is_file() and not os.environ.get("BATCHGEN_REPROBE"):
         try:
-            return {**json.loads(path.read_text()), "probe_source": f"cached ({path})"}
+            return {**json.loads(path.read_text()), f"{prefix}_source": f"cached ({path})"}
         except (OSError, ValueError):
             pass  # unreadable: measure again
-    figures = {**probe_device(device), "probe_measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    figures = {**measure(device), f"{prefix}_measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp-{os.getpid()}")
@@ -79,4 +86,4 @@ def cached_probe(device: str = "cpu", cache_dir: Path | None = None) -> dict[str
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only home: measure every time
-    return {**figures, "probe_source": "measured in this run"}
+    return {**figures, f"{prefix}_source": "measured in this run"}

@@ -50,7 +50,8 @@ def read_hf_shape(model_dir: str | Path) -> dict[str, Any]:
     return {"num_layers": text.get("num_hidden_layers", 0), "num_kv_heads": text.get("num_key_value_heads") or heads,
             "head_dim": text.get("head_dim") or (hidden // heads if heads else 0), "hidden_size": hidden,
             "max_position_embeddings": text.get("max_position_embeddings", 2048),
-            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))}
+            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            "torch_dtype": text.get("torch_dtype") or text.get("dtype")}
 
 
 def _weight_files(d: Path) -> list[Path]:
