@@ -65,6 +65,9 @@ class GenerateSettings(BaseModel):
         "auto", title="Dtype", description="auto: the weight dtype measured fastest on this machine for "
                                            "max_num_seqs (native engine; vLLM applies its own auto rule)")
     device: str = Field("cpu", title="Device", pattern=r"^(cpu|cuda(:\d+)?)$")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", title="Compile the step (native engine)",
+        description="torch.compile the step's fused elementwise kernels; auto: on CUDA only, where it wins")
     attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
         "auto", title="Attention kernel (native engine)",
         description="auto: FlashInfer's paged kernel on CUDA where installed, else the PyTorch path")
@@ -93,7 +96,8 @@ class GenerateSettings(BaseModel):
                                        kv_cache_tokens=self.kv_cache_tokens, block_size=self.block_size,
                                        enable_prefix_caching=self.enable_prefix_caching,
                                        max_num_batched_tokens=self.max_num_batched_tokens, dtype=self.dtype,
-                                       device=self.device, seed=self.seed, attention_backend=self.attention_backend),
+                                       device=self.device, seed=self.seed, attention_backend=self.attention_backend,
+                                       compile=self.compile),
             sampling=SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                                     top_k=self.top_k, stop=tuple(self.stop), ignore_eos=self.ignore_eos,
                                     logprobs=self.logprobs, structured=normalise_response_format(self.response_format)),

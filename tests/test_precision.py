@@ -84,3 +84,22 @@ def test_auto_is_measured_once_and_recorded_in_the_conditions(tmp_path, monkeypa
     assert "measured in this run" in c["dtype_choice"]
     e2 = NativeEngine(tiny_model_dir, EngineConfig(max_num_seqs=4, max_model_len=64))
     assert "cached" in e2.conditions()["dtype_choice"] and calls == ["cpu"]
+
+
+@pytest.mark.slow
+def test_compiled_step_gives_the_eager_tokens(real_model_dir):
+    def run(compile_):
+        e = NativeEngine(real_model_dir, EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=128,
+                                                      compile=compile_))
+        for i, p in enumerate(PROMPTS[:4]):
+            e.add(str(i), e.tokenizer.encode(p), SamplingParams(max_tokens=12, ignore_eos=True))
+        out = {}
+        while e.has_unfinished():
+            out.update({f.request_id: f.output_token_ids for f in e.step().finished})
+        return out, e.conditions()
+
+    eager, c_off = run("off")
+    compiled, c_on = run("on")
+    assert c_off["compile"] == "off" and c_off["compile_s"] is None
+    assert c_on["compile"] == "default" and c_on["compile_s"] > 0
+    assert compiled == eager

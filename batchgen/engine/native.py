@@ -8,6 +8,7 @@ over the step, with one host sync. Bookkeeping after the step (stops, timings, e
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,6 +42,7 @@ class NativeEngine(Engine):
         self.dtype, self.dtype_choice = resolve_dtype(config.dtype, config.device, config.max_num_seqs)
         self.model = load_model(model_dir, self.dtype, config.device, max_positions=self.max_model_len,
                                 pack_weights=config.pack_weights)
+        self.compile_s = self._compile(config)
         self.tokenizer = Tokenizer(model_dir)
         self.eos_token_ids = set(c.eos_token_ids)
         self.clock = clock or monotonic_clock()
@@ -61,6 +63,18 @@ class NativeEngine(Engine):
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens)
         self._step_id = 0
         self._ids: set[str] = set()
+
+    def _compile(self, config: EngineConfig) -> float | None:
+        """`--compile auto` compiles on CUDA only: on CPU, with the matmuls already prepacked, fusing
+        the elementwise ops measured no faster (see `batchgen bench --compile`). Returns the seconds
+        the compile took (paid here, on a warm-up forward, not inside the first step)."""
+        on = config.compile == "on" or (config.compile == "auto" and config.device.startswith("cuda"))
+        if not on:
+            return None
+        t0 = time.perf_counter()
+        self.model.compile("reduce-overhead" if config.device.startswith("cuda") else None)
+        self.model.warm_up()
+        return time.perf_counter() - t0
 
     @property
     def num_computed_positions(self) -> int:
@@ -117,6 +131,7 @@ class NativeEngine(Engine):
             "max_num_batched_tokens": c.max_num_batched_tokens, "enable_kv_cache": c.enable_kv_cache,
             "attention_backend": self.runner.attention.name if self.runner.attention else "none (recompute)",
             "weight_bytes": self.model.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
+            "compile": self.model.compiled or "off", "compile_s": self.compile_s,
             "speculative": None,
         }
 

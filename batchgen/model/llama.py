@@ -48,6 +48,16 @@ def rope_inv_freq(c: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # Gemma's GeGLU
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class Layer:
     """One decoder layer's fused weights."""
 
@@ -83,7 +93,10 @@ class LlamaModel:
         self.kv_size = c.num_kv_heads * c.head_dim
         self.group = c.num_heads // c.num_kv_heads
         self.scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
-        self.act = F.silu if c.hidden_act == "silu" else (lambda x: F.gelu(x, approximate="tanh"))
+        # the step's elementwise pieces: plain functions, swapped for compiled ones by `compile`
+        self.norm_fn, self.rope_fn = rms_norm, apply_rope
+        self.act_mul = silu_mul if c.hidden_act == "silu" else gelu_mul
+        self.compiled = None
         inv_freq = rope_inv_freq(c)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)  # [max_pos, D/2]
@@ -103,17 +116,43 @@ class LlamaModel:
     def weight_layout(self) -> str:
         return self.lm_head.layout
 
+    def compile(self, mode: str | None = None) -> None:
+        """torch.compile (Inductor) the elementwise pieces around the matmuls: RMSNorm (6 ops), RoPE
+        and the gated activation each become one fused kernel. Shapes are dynamic, so each compiles
+        once (plus its batch-1 specialisation), not per step; Inductor's cache keeps the code on disk.
+        The matmuls stay the prepacked kernels (batchgen.model.linear), which is what Inductor's
+        freezing would call too."""
+        kw = {"dynamic": True, **({"mode": mode} if mode else {})}
+        self.norm_fn, self.rope_fn = torch.compile(rms_norm, **kw), torch.compile(apply_rope, **kw)
+        self.act_mul = torch.compile(self.act_mul, **kw)
+        self.compiled = mode or "default"
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run the step's elementwise pieces at the shapes a step gives them (one token, and several:
+        dynamic shapes specialise on 1), so compiling happens here rather than inside a timed step."""
+        c, l0 = self.config, self.layers[0]
+        for T in (1, 3):
+            h = torch.zeros(T, c.hidden_size, dtype=self.dtype, device=self.device)
+            self.norm_fn(h, l0.input_norm, c.rms_norm_eps)
+            for heads in {c.num_heads, c.num_kv_heads}:
+                x = torch.zeros(T, heads, c.head_dim, dtype=self.dtype, device=self.device)
+                self.rope_fn(x, self.cos[:T, None], self.sin[:T, None])
+                if l0.q_norm is not None:
+                    self.norm_fn(x, l0.q_norm, c.rms_norm_eps)
+            self.act_mul(torch.zeros(T, l0.gate_up.out_features, dtype=self.dtype, device=self.device))
+
     # ---- pieces shared by prefill and decode -------------------------------------------------
 
     def _qkv(self, layer: Layer, h: torch.Tensor):
         """h [..., E] -> q [..., H, D], k and v [..., Hkv, D] (q and k normalised per head where the model does)."""
         c = self.config
-        x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+        x = self.norm_fn(h, layer.input_norm, c.rms_norm_eps)
         q, k, v = layer.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.unflatten(-1, (c.num_heads, c.head_dim))
         k = k.unflatten(-1, (c.num_kv_heads, c.head_dim))
         if layer.q_norm is not None:
-            q, k = rms_norm(q, layer.q_norm, c.rms_norm_eps), rms_norm(k, layer.k_norm, c.rms_norm_eps)
+            q, k = self.norm_fn(q, layer.q_norm, c.rms_norm_eps), self.norm_fn(k, layer.k_norm, c.rms_norm_eps)
         return q, k, v.unflatten(-1, (c.num_kv_heads, c.head_dim))
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -126,19 +165,18 @@ class LlamaModel:
         """h + the attention output o [..., H D] through o_proj (and Gemma 2's output norm)."""
         out = layer.o(o)
         if layer.attn_out_norm is not None:
-            out = rms_norm(out, layer.attn_out_norm, self.config.rms_norm_eps)
+            out = self.norm_fn(out, layer.attn_out_norm, self.config.rms_norm_eps)
         return h + out
 
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)
-        out = layer.down(self.act(gate) * up)
+        x = self.norm_fn(h, layer.post_norm, self.config.rms_norm_eps)
+        out = layer.down(self.act_mul(layer.gate_up(x)))
         if layer.mlp_out_norm is not None:
-            out = rms_norm(out, layer.mlp_out_norm, self.config.rms_norm_eps)
+            out = self.norm_fn(out, layer.mlp_out_norm, self.config.rms_norm_eps)
         return h + out
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(rms_norm(h, self.norm, self.config.rms_norm_eps)).float()
+        logits = self.lm_head(self.norm_fn(h, self.norm, self.config.rms_norm_eps)).float()
         cap = self.config.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -156,7 +194,7 @@ class LlamaModel:
         h = self._embed(tokens)  # [T, E]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, h)  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
             kv.write(i, block_idx, offset, k, v)  # first, so a chunk's queries see their own keys
             k_cache, v_cache = kv.layer(i)
             o = attention(q.view(T, Hkv, G, D), k_cache, v_cache, meta, self.scale,
@@ -178,7 +216,7 @@ class LlamaModel:
         pos = torch.arange(P, device=h.device)
         for layer in self.layers:
             q, k, v = (x.transpose(1, 2) for x in self._qkv(layer, h))  # [N, H, P, D], [N, Hkv, P, D] x2
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
             if layer.window is None and c.attn_softcap is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                    enable_gqa=self.group > 1)
