@@ -199,6 +199,9 @@ class EngineConfig:
     device: str = "cpu"
     enable_kv_cache: bool = True  # False recomputes the whole history every step (the lab)
     attention_backend: str = "auto"  # auto: FlashInfer on CUDA where installed, else the PyTorch path
+    speculative_ngram: int = 0  # draft tokens per step from n-gram prompt lookup (0: no speculation)
+    prompt_lookup_min: int = 2  # shortest n-gram matched
+    prompt_lookup_max: int = 4  # longest n-gram matched, tried first
     compile: str = "auto"  # torch.compile the step's elementwise pieces: on, off, auto (on where it wins: CUDA)
     pack_weights: bool = True  # weights in the kernel's fastest layout (False: the checkpoint's, for A/B)
     seed: int = 0  # run-level seed; requests without their own seed derive one from it and their id
@@ -220,6 +223,10 @@ class EngineConfig:
                  f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                  f"({self.max_num_seqs}): every running sequence needs a token of each step's budget")
         _require(self.dtype in DTYPES + ("auto",), f"dtype must be auto or one of {DTYPES}, got {self.dtype!r}")
+        _require(self.speculative_ngram >= 0, f"speculative_ngram must be >= 0, got {self.speculative_ngram}")
+        _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
+                 f"{self.prompt_lookup_max}")
         _require(self.compile in ("auto", "on", "off"), f"compile must be auto, on or off, got {self.compile!r}")
         _require(self.attention_backend in ATTENTION_BACKENDS,
                  f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")

@@ -65,6 +65,9 @@ class GenerateSettings(BaseModel):
         "auto", title="Dtype", description="auto: the weight dtype measured fastest on this machine for "
                                            "max_num_seqs (native engine; vLLM applies its own auto rule)")
     device: str = Field("cpu", title="Device", pattern=r"^(cpu|cuda(:\d+)?)$")
+    speculative_ngram: int = Field(0, ge=0, le=16, title="Speculative tokens (n-gram)",
+                                   description="draft tokens per step copied from the row's own context "
+                                               "(prompt lookup), verified in one pass; 0: off")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", title="Compile the step (native engine)",
         description="torch.compile the step's fused elementwise kernels; auto: on CUDA only, where it wins")
@@ -97,7 +100,7 @@ class GenerateSettings(BaseModel):
                                        enable_prefix_caching=self.enable_prefix_caching,
                                        max_num_batched_tokens=self.max_num_batched_tokens, dtype=self.dtype,
                                        device=self.device, seed=self.seed, attention_backend=self.attention_backend,
-                                       compile=self.compile),
+                                       compile=self.compile, speculative_ngram=self.speculative_ngram),
             sampling=SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                                     top_k=self.top_k, stop=tuple(self.stop), ignore_eos=self.ignore_eos,
                                     logprobs=self.logprobs, structured=normalise_response_format(self.response_format)),

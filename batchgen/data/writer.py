@@ -34,6 +34,7 @@ STEPS_SCHEMA = pa.schema([
     ("sum_context_len", pa.int64()), ("bytes_read", pa.int64()),
     ("num_preempted", pa.int32()), ("num_cached_tokens", pa.int32()), ("num_lookup_tokens", pa.int32()),
     ("kv_blocks_used", pa.int32()), ("kv_blocks_total", pa.int32()),
+    ("num_draft_tokens", pa.int32()), ("num_accepted_tokens", pa.int32()),  # speculative decoding
 ])
 SCHEMAS = {"requests": REQUESTS_SCHEMA, "errors": ERRORS_SCHEMA, "tokens": TOKENS_SCHEMA, "steps": STEPS_SCHEMA}
 

@@ -5,8 +5,8 @@ the key tiles it may attend to: runs of consecutive blocks of its own sequence, 
 PREFILL_KEYS positions each. A pair computes its scores as one matmul, and the pairs of a query tile
 are combined with a split softmax (running max and sum, as flash-decoding does). A row reads only
 its own blocks: no padding to the longest context in the batch, only its last key tile's unused
-tail, masked. Decode tiles and prefill tiles are two calls, so a decode token is never padded to a
-prefill tile's width.
+tail, masked. Decode tiles, prefill tiles and speculative-verify tiles (1 + k tokens) are separate
+calls, so a decode token is never padded to a prefill tile's width.
 
 On CUDA, `FlashInferBackend` runs a real paged kernel instead when flashinfer is installed.
 """
@@ -39,6 +39,7 @@ class TileGroup:
 class AttentionMetadata:
     decode: TileGroup | None
     prefill: TileGroup | None
+    verify: TileGroup | None  # speculative chunks: the newest token and its drafts, a tile of 1 + k
     # per scheduled chunk, for kernels that plan from sequence lengths (FlashInfer)
     q_lens: list[int]  # tokens computed this step
     seq_lens: list[int]  # context length after this step
@@ -84,7 +85,7 @@ class TorchPagedAttention:
                  scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """q [T, Hkv, G, D] for the step's tokens -> [T, Hkv, G, D]."""
         out = torch.empty_like(q)
-        for g in (meta.decode, meta.prefill):  # at most two groups: not a loop over sequences
+        for g in (meta.decode, meta.prefill, meta.verify):  # at most three groups: not a loop over sequences
             if g is None:
                 continue
             o = _tile_attention(q[g.token_idx], g, k_cache, v_cache, scale, window, softcap)

@@ -58,6 +58,8 @@ class StepResult:
     num_lookup_tokens: int | None = None  # prompt tokens of this step's admissions looked up in it
     kv_blocks_used: int | None = None  # KV pool occupancy after the step
     kv_blocks_total: int | None = None
+    num_draft_tokens: int = 0  # speculative tokens proposed this step
+    num_accepted_tokens: int = 0  # of those, confirmed by the target model (each saves a pass)
     # one entry per token produced in this step (parallel lists: cheap to build, cheap to append)
     token_request_ids: list[str] = field(default_factory=list)
     token_indices: list[int] = field(default_factory=list)

@@ -27,11 +27,16 @@ class ModelRunner:
         self.constraints = constraints  # batchgen.engine.structured.GrammarConstraints: masks constrained rows
         self.num_computed_positions = 0  # positions run through the model (the lab's count)
         self.num_exact_fallbacks = 0  # sampled rows whose top-p set reached past the candidates
+        self._offsets: list[int] = []  # per logits row of the current step: its position past the newest token
 
     def execute(self, chunks: list[Chunk]) -> tuple[list[int], list[tuple[float, list] | None] | None]:
-        """Run the step. Returns one sampled token per chunk that reaches its request's end, in order,
-        and, when any of them asked for logprobs, (chosen logprob, [(token, logprob)] top k) or None each."""
-        sampling = [c.request for c in chunks if c.samples]
+        """Run the step. Returns the sampled tokens of each chunk that reaches its request's end, in
+        order (one, or one per position from the newest token on where the chunk carries drafts), and,
+        when any of them asked for logprobs, (chosen logprob, [(token, logprob)] top k) or None each."""
+        # one logits row per sampled position: (request, its offset past the request's newest token)
+        rows = [(c.request, j) for c in chunks for j in range(c.num_sampled)]
+        sampling = [r for r, _ in rows]
+        self._offsets = [j for _, j in rows]  # the noise counter of a draft position runs ahead
         if self.kv is None:  # without a cache only the chunks that sample need a pass (the lab's baseline)
             if not sampling:
                 return [], None
@@ -90,32 +95,28 @@ class ModelRunner:
         block_idx: list[int] = []
         logits_idx: list[int] = []
         dec_tok, dec_pos, dec_pair = [], [], ([], [], [])
-        pf_tok, pf_pos, pf_valid, pf_pair = [], [], [], ([], [], [])
+        pf = _TileBuilder(PREFILL_TILE)
+        ver = _TileBuilder(1 + max((len(c.drafts) for c in chunks), default=0))
         for c in chunks:
             req, base, end = c.request, len(tokens), c.start + c.num_tokens
-            tokens += req.all_token_ids[c.start:end]
+            tokens += c.token_ids
             positions += range(c.start, end)
             table = req.block_table
             block_idx += [table[p // bs] for p in range(c.start, end)]
-            if c.samples:
-                logits_idx.append(base + c.num_tokens - 1)
+            logits_idx += range(base + c.num_tokens - c.num_sampled, base + c.num_tokens)
             if c.num_tokens == 1:
                 _pairs(dec_pair, len(dec_tok), table, c.start, bs, kt_dec)
                 dec_tok.append([base])
                 dec_pos.append([c.start])
-                continue
-            for t0 in range(0, c.num_tokens, PREFILL_TILE):
-                n = min(PREFILL_TILE, c.num_tokens - t0)
-                pad = PREFILL_TILE - n
-                _pairs(pf_pair, len(pf_tok), table, c.start + t0 + n - 1, bs, kt_pf)
-                pf_tok.append(list(range(base + t0, base + t0 + n)) + [0] * pad)
-                pf_pos.append(list(range(c.start + t0, c.start + t0 + n)) + [_FAR] * pad)
-                pf_valid.append([True] * n + [False] * pad)
+            elif c.drafts:
+                ver.add(c, base, table, bs, kt_dec)
+            else:
+                pf.add(c, base, table, bs, kt_pf)
         i64 = dict(dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, **i64)
         meta = AttentionMetadata(
             decode=_group(dec_tok, dec_pos, None, dec_pair, i64) if dec_tok else None,
-            prefill=_group(pf_tok, pf_pos, pf_valid, pf_pair, i64) if pf_tok else None,
+            prefill=pf.group(i64), verify=ver.group(i64),
             q_lens=[c.num_tokens for c in chunks], seq_lens=[c.start + c.num_tokens for c in chunks],
             block_tables=[c.request.block_table for c in chunks])
         self.num_computed_positions += len(tokens)
@@ -142,24 +143,26 @@ class ModelRunner:
         sampled = [s for s in sp if not s.greedy]
         use_top = any(s.top_k > 0 or s.top_p < 1.0 for s in sampled)
         any_plain = any(s.top_k <= 0 and s.top_p >= 1.0 for s in sampled)
-        tokens, short = self.sampler.sample(logits, *self._sampling_tensors(reqs), all_greedy=False,
+        tokens, short = self.sampler.sample(logits, *self._sampling_tensors(reqs, self._offsets), all_greedy=False,
                                             use_top=use_top, any_plain=any_plain,
                                             max_top_k=max(s.top_k for s in sampled),
                                             any_greedy=len(sampled) < len(sp))
         return (tokens, None) if short is None else (torch.where(short, -1, tokens), short)
 
-    def _sampling_tensors(self, reqs: list[Request]) -> tuple[torch.Tensor, ...]:
+    def _sampling_tensors(self, reqs: list[Request], offsets: list[int]) -> tuple[torch.Tensor, ...]:
         dev, sp = self.device, [r.sampling for r in reqs]
         return (torch.tensor([float(s.temperature) for s in sp], device=dev),
                 torch.tensor([float(s.top_p) for s in sp], device=dev),
                 torch.tensor([s.top_k for s in sp], dtype=torch.int64, device=dev),
                 torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev),
-                torch.tensor([len(r.output_token_ids) for r in reqs], dtype=torch.int64, device=dev))  # the counter
+                torch.tensor([len(r.output_token_ids) + j for r, j in zip(reqs, offsets)], dtype=torch.int64,
+                             device=dev))  # the counter: the index of the token being drawn
 
     def _exact(self, logits: torch.Tensor, reqs: list[Request], toks: list[int]) -> list[int]:
         """Redo the flagged rows (-1) over the whole sorted vocabulary: a second sync, rare."""
         rows = [i for i, t in enumerate(toks) if t == -1]
-        fixed = self.sampler.exact(logits[rows], *self._sampling_tensors([reqs[i] for i in rows])).tolist()
+        fixed = self.sampler.exact(logits[rows], *self._sampling_tensors([reqs[i] for i in rows],
+                                                                         [self._offsets[i] for i in rows])).tolist()
         out = list(toks)
         for i, t in zip(rows, fixed):
             out[i] = t
@@ -176,6 +179,27 @@ def _pairs(pairs: tuple[list, list, list], tile: int, table: list[int], last_pos
         pairs[0].append(tile)
         pairs[1].append(blocks + [table[0]] * (kt - len(blocks)))
         pairs[2].append(b0 * bs)
+
+
+class _TileBuilder:
+    """Query tiles of `width` tokens over chunks of several tokens (the last tile of each padded)."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self.tok, self.pos, self.valid, self.pairs = [], [], [], ([], [], [])
+
+    def add(self, c: Chunk, base: int, table: list[int], bs: int, kt: int) -> None:
+        W = self.width
+        for t0 in range(0, c.num_tokens, W):
+            n = min(W, c.num_tokens - t0)
+            pad = W - n
+            _pairs(self.pairs, len(self.tok), table, c.start + t0 + n - 1, bs, kt)
+            self.tok.append(list(range(base + t0, base + t0 + n)) + [0] * pad)
+            self.pos.append(list(range(c.start + t0, c.start + t0 + n)) + [_FAR] * pad)
+            self.valid.append([True] * n + [False] * pad)
+
+    def group(self, i64) -> TileGroup | None:
+        return _group(self.tok, self.pos, self.valid, self.pairs, i64) if self.tok else None
 
 
 def _group(tok, pos, valid, pairs, i64) -> TileGroup:

@@ -24,6 +24,7 @@ from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.precision import resolve_dtype
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen.engine.speculative import NgramProposer
 from batchgen.engine.structured import GrammarConstraints
 from batchgen.faults import fail_if_poisoned, fault_requests_active
 from batchgen.model.loader import DTYPES, load_model, read_model_config
@@ -60,7 +61,11 @@ class NativeEngine(Engine):
                            config.device, attention.kv_layout) if attention else None)
         self.constraints = GrammarConstraints(model_dir, c.vocab_size, sorted(self.eos_token_ids))
         self.runner = ModelRunner(self.model, kv, attention, c.vocab_size, config.device, self.constraints)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens)
+        self.proposer = (NgramProposer(config.speculative_ngram, config.prompt_lookup_min, config.prompt_lookup_max)
+                         if config.speculative_ngram and config.enable_kv_cache else None)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens,
+                                   self.proposer)
+        self.num_draft_tokens = self.num_accepted_tokens = 0
         self._step_id = 0
         self._ids: set[str] = set()
 
@@ -95,7 +100,10 @@ class NativeEngine(Engine):
         try:
             if sampling.structured:
                 self.constraints.add(request_id, sampling.structured)  # compiles first: a bad spec is this row's
-            self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, seed, enqueue_t=self.clock()))
+            # a grammar or logprobs go one token at a time: no drafts for them
+            speculate = not sampling.structured and sampling.logprobs is None
+            self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, seed, enqueue_t=self.clock(),
+                                       speculate=speculate))
         except ValueError as e:
             self.constraints.drop(request_id)
             raise RequestRejected(str(e)) from None
@@ -132,7 +140,9 @@ class NativeEngine(Engine):
             "attention_backend": self.runner.attention.name if self.runner.attention else "none (recompute)",
             "weight_bytes": self.model.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
             "compile": self.model.compiled or "off", "compile_s": self.compile_s,
-            "speculative": None,
+            "speculative": ({"method": "ngram", "num_speculative_tokens": c.speculative_ngram,
+                             "prompt_lookup_min": c.prompt_lookup_min, "prompt_lookup_max": c.prompt_lookup_max}
+                            if self.proposer else None),
         }
 
     # ---- bookkeeping (host side) ---------------------------------------------------------------
@@ -152,37 +162,53 @@ class NativeEngine(Engine):
             r = chunk.request
             if r.schedule_t is None:
                 r.schedule_t = start_t
-            self.scheduler.computed(chunk)
             if not chunk.samples:
+                self.scheduler.computed(chunk)
                 continue  # a prompt chunk short of the end: no token yet
-            tok = next(samples)
-            context_len = r.num_tokens  # prompt + outputs before this token
-            sum_ctx += context_len
-            res.token_request_ids.append(r.request_id)
-            res.token_indices.append(len(r.output_token_ids))
-            res.token_context_lens.append(context_len)
-            if lps is not None:
-                lp = next(lps)
-                res.token_logprobs.append(None if lp is None else lp[0])
-                res.token_top_logprobs.append(None if lp is None or r.sampling.logprobs == 0 else lp[1])
-            r.output_token_ids.append(tok)
-            if r.first_token_t is None:
-                r.first_token_t = end_t
-            r.last_token_t = end_t
-            reason = self._finish_reason(r, tok)
-            if self.constraints.accept(r.request_id, tok) and reason is None:
-                reason = "stop"  # the grammar is complete: nothing may follow
-            if reason is not None:
-                self.scheduler.finish(r, reason)
-                self.constraints.drop(r.request_id)
-                self._ids.discard(r.request_id)
-                res.finished.append(self._finished(r))
+            drawn = [next(samples) for _ in range(chunk.num_sampled)]
+            lp_rows = [next(lps) for _ in drawn] if lps is not None else [None] * len(drawn)
+            accepted = 0  # drafts kept: up to the first that differs from what was sampled at its place
+            while accepted < len(chunk.drafts) and chunk.drafts[accepted] == drawn[accepted]:
+                accepted += 1
+            self.num_draft_tokens += len(chunk.drafts)
+            self.num_accepted_tokens += accepted
+            res.num_draft_tokens += len(chunk.drafts)
+            res.num_accepted_tokens += accepted
+            self.scheduler.computed(chunk, accepted)
+            for tok, lp in zip(drawn[:accepted + 1], lp_rows):
+                sum_ctx += r.num_tokens  # the context this token was produced from
+                if self._emit(res, r, tok, lp, lps is not None, end_t):
+                    break
         res.sum_context_len = sum_ctx
         res.kv_blocks_used, res.kv_blocks_total = self.blocks.num_used_blocks, self.blocks.num_blocks
         num_tokens = sum(c.num_tokens for c in sched.chunks)
         res.bytes_read = ((self.model.weight_bytes if sched.chunks else 0) + num_tokens * self.row_embed_bytes
                           + self.kv_bytes_per_token * sum_ctx)
         return res
+
+    def _emit(self, res: StepResult, r: Request, tok: int, lp, with_logprobs: bool, end_t: float) -> bool:
+        """Record one produced token; True when it finishes the request."""
+        context_len = r.num_tokens  # prompt + outputs before this token
+        res.token_request_ids.append(r.request_id)
+        res.token_indices.append(len(r.output_token_ids))
+        res.token_context_lens.append(context_len)
+        if with_logprobs:
+            res.token_logprobs.append(None if lp is None else lp[0])
+            res.token_top_logprobs.append(None if lp is None or r.sampling.logprobs == 0 else lp[1])
+        r.output_token_ids.append(tok)
+        if r.first_token_t is None:
+            r.first_token_t = end_t
+        r.last_token_t = end_t
+        reason = self._finish_reason(r, tok)
+        if self.constraints.accept(r.request_id, tok) and reason is None:
+            reason = "stop"  # the grammar is complete: nothing may follow
+        if reason is None:
+            return False
+        self.scheduler.finish(r, reason)
+        self.constraints.drop(r.request_id)
+        self._ids.discard(r.request_id)
+        res.finished.append(self._finished(r))
+        return True
 
     def _finish_reason(self, r: Request, tok: int) -> str | None:
         sp = r.sampling

@@ -33,6 +33,7 @@ class Request:
     first_token_t: float | None = None
     last_token_t: float | None = None
     finish_reason: str | None = None
+    speculate: bool = True  # may take n-gram drafts (not with a grammar or logprobs: one token at a time)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,6 +9,9 @@ Each step has a token budget, `max_num_batched_tokens`, spent in one forward pas
    allow: each takes its longest cached prefix from the prefix cache, then blocks for the chunk it
    computes now. Admission asks for the blocks needed now, never for the worst case.
 A long prompt therefore never stalls decoding for longer than one step's budget.
+
+With n-gram speculation (batchgen.engine.speculative), a decoding request's chunk also carries the
+proposed draft tokens: one pass scores them all, and the engine keeps those the sampler confirms.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.request import Request, RequestStatus
+from batchgen.engine.speculative import NgramProposer
 
 
 @dataclass
@@ -26,16 +30,28 @@ class Chunk:
 
     request: Request
     start: int
-    num_tokens: int
+    num_tokens: int  # including the drafts
+    drafts: list[int] = field(default_factory=list)  # speculative tokens after the newest one
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the request's newest token, so its logits give the next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        """The chunk reaches the request's newest token, so its logits give the next token (and,
+        with drafts, each draft position's logits give the token after it)."""
+        return self.start + self.num_tokens - len(self.drafts) == self.request.num_tokens
+
+    @property
+    def num_sampled(self) -> int:
+        """Logits rows this chunk needs: one per position from the newest token on."""
+        return 1 + len(self.drafts) if self.samples else 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        ids = self.request.all_token_ids[self.start:self.start + self.num_tokens - len(self.drafts)]
+        return ids + self.drafts if self.drafts else ids
 
     @property
     def is_decode(self) -> bool:
-        return self.num_tokens == 1 and self.start >= self.request.num_prompt_tokens
+        return self.num_tokens - len(self.drafts) == 1 and self.start >= self.request.num_prompt_tokens
 
 
 @dataclass
@@ -55,13 +71,19 @@ class SchedulerOutput:
         return sum(1 for c in self.chunks if c.is_decode)
 
     @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(c.drafts) for c in self.chunks)
+
+    @property
     def num_prefill_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks if not c.is_decode)
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+                 proposer: NgramProposer | None = None):
         self.blocks = blocks
+        self.proposer = proposer  # drafts for decoding requests that allow speculation, or None
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -92,15 +114,20 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.blocks.allocate_slots(req, n):
+            drafts = self._drafts(req, n, budget)
+            if drafts and not self.blocks.allocate_slots(req, n + len(drafts)):
+                drafts = []  # no room for the drafts: decode plainly before preempting anyone
+            n += len(drafts)
+            while not drafts and not self.blocks.allocate_slots(req, n):
                 victim = self.running.pop()  # the newest; never one already scheduled this step
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                out.chunks.append(Chunk(req, req.num_computed_tokens, n))
-                self.blocks.cache_full_blocks(req, req.num_computed_tokens + n)
+                out.chunks.append(Chunk(req, req.num_computed_tokens, n, drafts))
+                # only confirmed tokens are keyed: a draft's position is not known to hold it
+                self.blocks.cache_full_blocks(req, req.num_computed_tokens + n - len(drafts))
                 budget -= n
                 i += 1
                 continue
@@ -126,6 +153,14 @@ class Scheduler:
         out.num_waiting = len(self.waiting)
         return out
 
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """Draft tokens for a decoding request, within the step's budget, its max_tokens and the context."""
+        if self.proposer is None or n != 1 or not req.speculate or req.num_computed_tokens < req.num_prompt_tokens:
+            return []
+        limit = min(budget - 1, req.sampling.max_tokens - len(req.output_token_ids) - 1,
+                    self.max_model_len - req.num_tokens - 1)
+        return self.proposer.propose(req.request_id, req.all_token_ids, limit)
+
     def _preempt(self, req: Request) -> None:
         self.blocks.free(req)
         req.num_computed_tokens = 0
@@ -133,15 +168,18 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
-    def computed(self, chunk: Chunk) -> None:
-        """After the step: the chunk's K/V is in the cache."""
-        chunk.request.num_computed_tokens += chunk.num_tokens
+    def computed(self, chunk: Chunk, num_accepted: int = 0) -> None:
+        """After the step: the chunk's K/V is in the cache, up to its accepted drafts (the positions of
+        rejected ones hold K/V of tokens that were not produced; they are overwritten later)."""
+        chunk.request.num_computed_tokens += chunk.num_tokens - len(chunk.drafts) + num_accepted
 
     def finish(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.running.remove(request)
         self.blocks.free(request)
+        if self.proposer is not None:
+            self.proposer.drop(request.request_id)
 
     def abort_all(self) -> list[Request]:
         """Forget every unfinished request and give back all its blocks."""
@@ -151,4 +189,7 @@ class Scheduler:
         self.blocks.reset_prefix_cache()  # a failed step may have keyed blocks it never wrote
         self.waiting.clear()
         self.running = []
+        if self.proposer is not None:
+            for req in dropped:
+                self.proposer.drop(req.request_id)
         return dropped

@@ -163,6 +163,10 @@ class VllmEngine(Engine):
         elif on_cpu:
             options.setdefault("gpu_memory_utilization", 0.5)
         options.setdefault("enable_prefix_caching", config.enable_prefix_caching)
+        if config.speculative_ngram:  # the same flag as the native engine's: vLLM's ngram method
+            options.setdefault("speculative_config", {
+                "method": "ngram", "num_speculative_tokens": config.speculative_ngram,
+                "prompt_lookup_min": config.prompt_lookup_min, "prompt_lookup_max": config.prompt_lookup_max})
         if "structured_outputs_config" not in options:  # the native engine's grammar library and whitespace rule
             from vllm.config import StructuredOutputsConfig
 
