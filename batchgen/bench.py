@@ -1,107 +1,357 @@
-"""Side-by-side throughput of engines on one workload, in one process run, with its conditions.
+"""The judge: engines side by side on the same held prompts, in one run, with the run's conditions.
 
-    batchgen bench --engines native,vllm,hf --num-prompts 64 --new-tokens 64 --max-num-seqs 64
+    batchgen bench --engines native,vllm,hf --batches 1,8,64,256 --modes greedy,sampled
 
-Every figure is measured in this run and printed as a ratio to the first engine listed. Start-up
-(model load, vLLM's engine core) is excluded; prefill is included. Machines are shared and noisy:
-compare ratios from one run, not absolute numbers across runs.
+For each batch size B (B requests in flight: B prompts at a time, at least MIN_PROMPTS in all) and each
+mode (greedy; sampled at T 0.7, top-p 0.95), every engine generates `--new-tokens` tokens per prompt
+(ignore_eos) from the same chat-templated prompts: real instructions of mixed length (Stanford
+Alpaca's 175 seed tasks, CC BY-NC, shipped in batchgen/benchmarks/data). It prints tok/s, ITL
+p50/p95/p99 (per-token gaps after the first, pooled), MBU (bytes read per second over the peak the
+hardware probe measured) and the ratio to the best peer in the same row group. The native engine
+runs in fp32 and, as `native:auto`, in the dtype `--dtype auto` picks, with its greedy agreement
+with fp32 (share of tokens before each row's first divergence). A speculative-decoding section
+runs n-gram speculation on and off on a workload that copies from its prompt and on an open-ended
+one, on the native engine and vLLM, with acceptance rates; a slow-down prints as a ratio below 1.
+
+Start-up (model load, vLLM's engine core) is excluded; prefill is included. Everything lands in one
+Parquet file (`--out`), one row per measurement, with the conditions. Machines are shared and noisy:
+compare ratios from one run, never absolute numbers across runs.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from batchgen.config import EngineConfig, SamplingParams
 
-WORKLOAD = "Write a short story about a cat number {i}."
+HELD_PROMPTS = Path(__file__).parent / "benchmarks" / "data" / "held_prompts.parquet"
+MIN_PROMPTS = 4  # batch 1 runs four prompts one after another
+MODES = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p=0.95)}
+COPY_TEMPLATE = "Repeat the following text exactly, word for word, and nothing else:\n\n{text}"
 
 
 @dataclass
-class BenchResult:
-    engine: str
-    output_tokens: int
+class Measurement:
+    section: str  # grid | speculative
+    engine: str  # native, native:auto, vllm, hf
+    dtype: str
+    batch: int
+    mode: str
+    workload: str  # held | copy | open
+    speculative_k: int
+    prompts: int
+    tokens: int
     seconds: float
-    startup_s: float
+    itl_p50_s: float | None = None
+    itl_p95_s: float | None = None
+    itl_p99_s: float | None = None
+    mbu: float | None = None
+    vs_best_peer: float | None = None  # this engine's tok/s over the best other engine's, same batch and mode
+    agreement_fp32: float | None = None  # greedy tokens before the first divergence from native fp32
+    acceptance_rate: float | None = None
+    speedup_vs_off: float | None = None  # speculation on over off, same engine and workload
+    identical_to_off: bool | None = None
+    outputs: list = field(default_factory=list, repr=False)  # token ids per prompt (not written)
 
     @property
     def tok_per_s(self) -> float:
-        return self.output_tokens / self.seconds
+        return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def _prompts(tokenizer, n: int) -> list[list[int]]:
-    return [tokenizer.encode(WORKLOAD.format(i=i)) for i in range(n)]
+def held_prompts(n: int) -> list[str]:
+    """The first n held prompts; past the 175, again with a variant number (so no two share a prefix
+    that a prefix cache could serve)."""
+    import pyarrow.parquet as pq
+
+    base = pq.read_table(HELD_PROMPTS, columns=["prompt"]).column("prompt").to_pylist()
+    return [base[i] if i < len(base) else f"(variant {i // len(base)}) {base[i % len(base)]}" for i in range(n)]
 
 
-def bench_engine(name: str, model_dir, n: int, new_tokens: int, max_num_seqs: int, dtype: str) -> BenchResult:
+def _percentiles(gaps: list[float]) -> dict[str, float | None]:
+    if not gaps:
+        return {"itl_p50_s": None, "itl_p95_s": None, "itl_p99_s": None}
+    import numpy as np
+
+    p = np.percentile(np.asarray(gaps), [50, 95, 99])
+    return {"itl_p50_s": float(p[0]), "itl_p95_s": float(p[1]), "itl_p99_s": float(p[2])}
+
+
+# ---- engines behind batchgen's Engine interface (native, vllm) --------------------------------------
+
+def run_engine(engine, prompt_ids: list[list[int]], batch: int, params: SamplingParams, peak_bw: float | None,
+               tag: str) -> dict:
+    """Feed `batch` prompts at a time, step to the end; tokens, seconds, ITL gaps, MBU, drafts."""
+    tokens = bytes_read = drafts = accepted = 0
+    gaps: list[float] = []
+    outputs: dict[int, list[int]] = {}
+    seconds = 0.0
+    for s in range(0, len(prompt_ids), batch):
+        last: dict[str, float] = {}
+        t0 = time.perf_counter()
+        for i in range(s, min(s + batch, len(prompt_ids))):
+            engine.add(f"{tag}-{i}", prompt_ids[i], params)
+        while engine.has_unfinished():
+            r = engine.step()
+            tokens += len(r.token_request_ids)
+            bytes_read += r.bytes_read or 0
+            drafts += r.num_draft_tokens
+            accepted += r.num_accepted_tokens
+            for rid in r.token_request_ids:
+                if rid in last:
+                    gaps.append(r.end_t - last[rid])
+                last[rid] = r.end_t
+            for f in r.finished:
+                outputs[int(f.request_id.rsplit("-", 1)[1])] = list(f.output_token_ids)
+        seconds += time.perf_counter() - t0
+    return {"tokens": tokens, "seconds": seconds, **_percentiles(gaps),
+            "mbu": bytes_read / seconds / peak_bw if peak_bw and seconds else None,
+            "acceptance_rate": accepted / drafts if drafts else None,
+            "outputs": [outputs[i] for i in sorted(outputs)]}
+
+
+def make_engine(name: str, model_dir, dtype: str, max_num_seqs: int, max_model_len: int, k: int = 0):
     from batchgen.engine import create_engine
 
-    t0 = time.perf_counter()
-    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=256 + new_tokens, dtype=dtype,
-                       max_num_batched_tokens=max(4096, 64 * max_num_seqs))
-    engine = create_engine(name, model_dir, cfg)
-    startup = time.perf_counter() - t0
-    prompts = _prompts(engine.tokenizer, n)
-    warm = SamplingParams(max_tokens=4, ignore_eos=True)
-    engine.add("warm-up", prompts[0], warm)
-    while engine.has_unfinished():
-        engine.step()
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add(str(i), p, params)
-    tokens = 0
-    while engine.has_unfinished():
-        tokens += len(engine.step().token_request_ids)
-    seconds = time.perf_counter() - t0
-    engine.close()
-    return BenchResult(name, tokens, seconds, startup)
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
+                       kv_cache_tokens=max_num_seqs * max_model_len,  # room for every row: no preemption
+                       max_num_batched_tokens=max(4096, max_model_len), speculative_ngram=k,
+                       enable_prefix_caching=False)  # the variants share no prefix; keep it a pure decode test
+    return create_engine(name, model_dir, cfg)
 
 
-def bench_hf(model_dir, n: int, new_tokens: int, batch: int, dtype: str) -> BenchResult:
-    """Hugging Face transformers `generate`, left-padded batches: the reference peer."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+# ---- Hugging Face transformers: the reference peer ------------------------------------------------------
 
-    t0 = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    startup = time.perf_counter() - t0
-    texts = [WORKLOAD.format(i=i) for i in range(n)]
-    tokens = 0
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for s in range(0, n, batch):
-            enc = tok(texts[s:s + batch], return_tensors="pt", padding=True)
-            out = model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)
-            tokens += (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
-    return BenchResult("hf", tokens, time.perf_counter() - t0, startup)
+class HFRunner:
+    def __init__(self, model_dir, dtype: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from batchgen.model.loader import count_decode_weight_elements, read_hf_shape
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        bpe = torch.finfo(getattr(torch, dtype)).bits // 8
+        shape = read_hf_shape(model_dir)
+        self.weight_bytes = count_decode_weight_elements(model_dir) * bpe
+        self.kv_bytes_per_token = 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * bpe
+        self.pad_id = 0
+
+    def run(self, prompt_ids: list[list[int]], batch: int, mode: str, new_tokens: int, peak_bw: float | None) -> dict:
+        """Left-padded batches through `generate`; a logits processor stamps each step's time (ITL)."""
+        torch = self.torch
+        tokens, seconds, gaps, nbytes, outputs = 0, 0.0, [], 0, []
+        for s in range(0, len(prompt_ids), batch):
+            rows = prompt_ids[s:s + batch]
+            width = max(len(r) for r in rows)
+            ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows])
+            mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+            stamps: list[float] = []
+
+            def stamp(input_ids, scores):
+                stamps.append(time.perf_counter())
+                return scores
+
+            sampling = MODES[mode]
+            kw = (dict(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"])
+                  if sampling["temperature"] else dict(do_sample=False))
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                          min_new_tokens=new_tokens, pad_token_id=self.pad_id,
+                                          logits_processor=[stamp], **kw)
+            seconds += time.perf_counter() - t0
+            n = out.shape[1] - width
+            tokens += n * len(rows)
+            gaps += [b - a for a, b in zip(stamps, stamps[1:])] * len(rows)  # every row gets each step's gap
+            nbytes += n * self.weight_bytes + len(rows) * sum(width + j for j in range(n)) * self.kv_bytes_per_token
+            outputs += out[:, width:].tolist()
+        return {"tokens": tokens, "seconds": seconds, **_percentiles(gaps),
+                "mbu": nbytes / seconds / peak_bw if peak_bw and seconds else None, "outputs": outputs}
 
 
-def run_bench(engines: list[str], model_dir, n: int, new_tokens: int, max_num_seqs: int,
-              dtype: str = "float32") -> list[BenchResult]:
-    results = []
-    for name in engines:
-        if name == "hf":
-            results.append(bench_hf(model_dir, n, new_tokens, max_num_seqs, dtype))
-        else:
-            results.append(bench_engine(name, model_dir, n, new_tokens, max_num_seqs, dtype))
-    return results
+# ---- the run ---------------------------------------------------------------------------------------------
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> float | None:
+    same = total = 0
+    for a, b in zip(ref, got):
+        same += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        total += len(a)
+    return same / total if total else None
 
 
-def format_bench(results: list[BenchResult], n: int, new_tokens: int, max_num_seqs: int, dtype: str, model) -> str:
-    import torch
-
+def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str], new_tokens: int = 64,
+              speculative_k: int = 4, spec_batch: int = 8, log=print) -> tuple[list[Measurement], dict]:
     from batchgen.metrics.conditions import cpu_model, package_versions
+    from batchgen.metrics.probe import cached_probe
+    from batchgen.model.tokenizer import Tokenizer
 
-    base = results[0]
-    lines = [f"workload: {n} prompts '{WORKLOAD}' -> {new_tokens} new tokens each (ignore_eos), greedy",
-             f"conditions: model {model}, {dtype}, max_num_seqs/batch {max_num_seqs}, {cpu_model()}, "
-             f"{os.cpu_count()} cores, torch threads {torch.get_num_threads()}, {package_versions()}",
-             f"{'engine':<8} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'vs ' + base.engine:>10} {'start-up s':>11}"]
-    for r in results:
-        lines.append(f"{r.engine:<8} {r.output_tokens:>7} {r.seconds:>8.2f} {r.tok_per_s:>8.1f} "
-                     f"{r.tok_per_s / base.tok_per_s:>9.2f}x {r.startup_s:>11.1f}")
+    device = "cpu"
+    probe = cached_probe(device)
+    peak_bw = probe.get("peak_read_bytes_per_s")
+    tok = Tokenizer(model_dir)
+
+    def chat(texts: list[str]) -> list[list[int]]:
+        return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+
+    most = max(max(batches), MIN_PROMPTS)
+    held = chat(held_prompts(most))
+    max_len = max(len(p) for p in held) + new_tokens + 8
+    results: list[Measurement] = []
+
+    def grid_prompts(b: int) -> list[list[int]]:
+        return held[:max(b, MIN_PROMPTS)]
+
+    def record(m: Measurement, extra: dict) -> Measurement:
+        for k, v in extra.items():
+            setattr(m, k, v)
+        results.append(m)
+        log(f"  {m.engine:<12} {m.dtype:<9} batch {m.batch:>3} {m.mode:<8} {m.workload:<5} k={m.speculative_k} "
+            f"{m.tok_per_s:8.1f} tok/s")
+        return m
+
+    # the grid: engines x batch x mode
+    variants = []
+    for name in engines:
+        variants.append((name, "float32"))
+        if name == "native":
+            variants.append(("native:auto", "auto"))
+    for name, dtype in variants:
+        log(f"{name} ({dtype}) ...")
+        if name == "hf":
+            runner = HFRunner(model_dir, dtype)
+            for b in batches:
+                for mode in modes:
+                    m = runner.run(grid_prompts(b), b, mode, new_tokens, peak_bw)
+                    record(Measurement("grid", name, dtype, b, mode, "held", 0, len(grid_prompts(b)), 0, 0.0), m)
+            del runner
+            continue
+        engine = make_engine(name.split(":")[0], model_dir, dtype, max(batches), max_len)
+        resolved = engine.conditions().get("dtype", dtype)
+        for b in batches:
+            for mode in modes:
+                params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **MODES[mode])
+                m = run_engine(engine, grid_prompts(b), b, params, peak_bw, f"{mode}{b}")
+                record(Measurement("grid", name, resolved, b, mode, "held", 0, len(grid_prompts(b)), 0, 0.0), m)
+        engine.close()
+
+    # speculation: a workload that copies from its prompt, and an open-ended one
+    if speculative_k:
+        texts = held_prompts(spec_batch)
+        workloads = {"copy": chat([COPY_TEMPLATE.format(text=t) for t in texts]), "open": chat(texts)}
+        spec_len = max(len(p) for w in workloads.values() for p in w) + new_tokens + 8
+        for name in [e for e in engines if e != "hf"]:
+            for k in (0, speculative_k):
+                log(f"{name} speculative k={k} ...")
+                engine = make_engine(name, model_dir, "float32", spec_batch, spec_len, k)
+                for w, prompts in workloads.items():
+                    params = SamplingParams(max_tokens=new_tokens, ignore_eos=False)  # copying ends by itself
+                    m = run_engine(engine, prompts, spec_batch, params, peak_bw, f"{w}{k}")
+                    record(Measurement("speculative", name, "float32", spec_batch, "greedy", w, k, len(prompts), 0,
+                                       0.0), m)
+                engine.close()
+    _compare(results)
+    conditions = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": str(model_dir), "cpu": cpu_model(),
+                  "machine": platform.machine(), "cores": os.cpu_count(), "new_tokens": new_tokens,
+                  "peak_read_bytes_per_s": peak_bw, "probe": probe.get("probe_source"),
+                  "torch_threads": _threads(), "packages": package_versions()}
+    return results, conditions
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _compare(results: list[Measurement]) -> None:
+    """Ratios measured within this run: vs the best peer, agreement with fp32, speculation on/off."""
+    grid = [m for m in results if m.section == "grid"]
+    for m in grid:
+        peers = [p.tok_per_s for p in grid if (p.batch, p.mode) == (m.batch, m.mode)
+                 and p.engine.split(":")[0] != m.engine.split(":")[0]]
+        m.vs_best_peer = m.tok_per_s / max(peers) if peers else None
+        if m.engine == "native:auto" and m.mode == "greedy":
+            ref = next((p for p in grid if (p.engine, p.batch, p.mode) == ("native", m.batch, "greedy")), None)
+            m.agreement_fp32 = agreement(ref.outputs, m.outputs) if ref else None
+    for m in results:
+        if m.section == "speculative" and m.speculative_k:
+            off = next(p for p in results if p.section == "speculative" and p.speculative_k == 0
+                       and (p.engine, p.workload) == (m.engine, m.workload))
+            m.speedup_vs_off = m.tok_per_s / off.tok_per_s if off.tok_per_s else None
+            m.identical_to_off = m.outputs == off.outputs
+
+
+def write_parquet(results: list[Measurement], conditions: dict, path: Path) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = []
+    for m in results:
+        d = asdict(m)
+        d.pop("outputs")
+        d["tok_per_s"] = m.tok_per_s
+        d["conditions"] = json.dumps(conditions, default=str)
+        rows.append(d)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def _fmt(x, spec: str, none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def format_bench(results: list[Measurement], conditions: dict) -> str:
+    c = conditions
+    lines = [f"batchgen bench, one run, {c['date']}: model {Path(c['model']).name}, {c['new_tokens']} new tokens per "
+             f"prompt, {c['cpu']} ({c['cores']} cores, torch threads {c['torch_threads']}), probe peak read "
+             f"{(c['peak_read_bytes_per_s'] or 0) / 1e9:.1f} GB/s; {c['packages']}",
+             "", f"{'engine':<12} {'dtype':<9} {'batch':>5} {'mode':<8} {'tok/s':>8} {'vs best peer':>12} "
+                 f"{'ITL p50 ms':>10} {'p95':>7} {'p99':>7} {'MBU':>5} {'agree fp32':>10}"]
+    for m in (r for r in results if r.section == "grid"):
+        ms = lambda v: _fmt(None if v is None else 1000 * v, ".1f")  # noqa: E731
+        lines.append(f"{m.engine:<12} {m.dtype:<9} {m.batch:>5} {m.mode:<8} {m.tok_per_s:>8.1f} "
+                     f"{_fmt(m.vs_best_peer, '.2f') + 'x':>12} {ms(m.itl_p50_s):>10} {ms(m.itl_p95_s):>7} "
+                     f"{ms(m.itl_p99_s):>7} {_fmt(m.mbu, '.2f'):>5} {_fmt(m.agreement_fp32, '.2f'):>10}")
+    spec = [r for r in results if r.section == "speculative"]
+    if spec:
+        lines += ["", f"speculative decoding (n-gram), greedy, batch {spec[0].batch}: "
+                      "'copy' repeats its prompt, 'open' is the held instructions",
+                  f"{'engine':<8} {'workload':<8} {'k':>2} {'tok/s':>8} {'acceptance':>10} {'speed-up':>9} {'same output':>11}"]
+        for m in spec:
+            lines.append(f"{m.engine:<8} {m.workload:<8} {m.speculative_k:>2} {m.tok_per_s:>8.1f} "
+                         f"{_fmt(m.acceptance_rate, '.2f'):>10} {_fmt(m.speedup_vs_off, '.2f') + ('x' if m.speedup_vs_off else ''):>9} "
+                         f"{_fmt(m.identical_to_off, ''):>11}")
+    lines += ["", *targets(results)]
     return "\n".join(lines)
+
+
+def targets(results: list[Measurement]) -> list[str]:
+    """The issue's targets for this machine, as met / missed, from this run's figures."""
+    def get(engine, batch, mode):
+        return next((m for m in results if m.section == "grid" and (m.engine, m.batch, m.mode) == (engine, batch, mode)),
+                    None)
+
+    out = ["targets (this run):"]
+    nat, hf, auto = get("native", 64, "greedy"), get("hf", 64, "greedy"), get("native:auto", 64, "greedy")
+    if nat and hf:
+        r = nat.tok_per_s / hf.tok_per_s
+        out.append(f"  batch 64 fp32 greedy, native / HF: {r:.2f}x (target 1.5x) {'met' if r >= 1.5 else 'MISSED'}")
+    if auto and hf:
+        r = auto.tok_per_s / hf.tok_per_s
+        out.append(f"  batch 64 best dtype ({auto.dtype}) / HF fp32: {r:.2f}x (target 2x) {'met' if r >= 2 else 'MISSED'}")
+    one = get("native", 1, "greedy")
+    if one and one.mbu is not None:
+        out.append(f"  batch 1 fp32 MBU: {one.mbu:.2f} (target 0.60) {'met' if one.mbu >= 0.6 else 'MISSED'}")
+    for b in sorted({m.batch for m in results if m.section == "grid"}):
+        g, s = get("native", b, "greedy"), get("native", b, "sampled")
+        if g and s:
+            r = s.tok_per_s / g.tok_per_s
+            out.append(f"  batch {b} sampled / greedy (native fp32): {r:.2f} (target 0.95) "
+                       f"{'met' if r >= 0.95 else 'MISSED'}")
+    return out

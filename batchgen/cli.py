@@ -56,13 +56,20 @@ def cmd_report(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from batchgen.bench import format_bench, run_bench
+    import time
+    from pathlib import Path
+
+    from batchgen.bench import format_bench, run_bench, write_parquet
     from batchgen.model.prepare import resolve_model
 
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    model_dir = resolve_model(args.model)
-    results = run_bench(engines, model_dir, args.num_prompts, args.new_tokens, args.max_num_seqs, args.dtype)
-    print(format_bench(results, args.num_prompts, args.new_tokens, args.max_num_seqs, args.dtype, args.model))
+    def csv(text: str) -> list[str]:
+        return [e.strip() for e in text.split(",") if e.strip()]
+
+    results, conditions = run_bench(resolve_model(args.model), csv(args.engines), [int(b) for b in csv(args.batches)],
+                                    csv(args.modes), args.new_tokens, args.speculative, args.spec_batch)
+    print(format_bench(results, conditions))
+    out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}.parquet")
+    print(f"\nresults: {write_parquet(results, conditions, out)}")
     return 0
 
 
@@ -91,12 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", help="output directory (default RUN_DIR/report for one run)")
     rep.add_argument("--window-s", type=float, help="window of the tok/s-over-time table (default 1 s)")
     rep.add_argument("--memory-limit", help="DuckDB memory limit, e.g. 4GB")
-    bench = sub.add_parser("bench", help="engines side by side on one workload, in one run")
-    bench.add_argument("--engines", default="native,hf", help="comma-separated: native, vllm, hf (first = baseline)")
-    bench.add_argument("--num-prompts", type=int, default=64)
+    bench = sub.add_parser("bench", help="engines side by side on the held prompts, in one run (the judge)")
+    bench.add_argument("--engines", default="native,vllm,hf", help="comma-separated: native, vllm, hf")
+    bench.add_argument("--batches", default="1,8,64,256", help="requests in flight, comma-separated")
+    bench.add_argument("--modes", default="greedy,sampled", help="greedy, sampled (T 0.7, top-p 0.95)")
     bench.add_argument("--new-tokens", type=int, default=64)
-    bench.add_argument("--max-num-seqs", type=int, default=64)
-    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    bench.add_argument("--speculative", type=int, default=4, help="n-gram draft tokens for the speculation "
+                                                                     "section (0: skip it)")
+    bench.add_argument("--spec-batch", type=int, default=8)
+    bench.add_argument("--out", help="results Parquet (default runs/bench-<time>.parquet)")
     bench.add_argument("--model", default="smollm2-135m")
     lab = sub.add_parser("lab", help="small experiments").add_subparsers(dest="lab", required=True)
     dec = lab.add_parser("decode", help="KV cache against recomputing the history")
