@@ -4,8 +4,8 @@
 
 For each batch size B (B requests in flight: B prompts at a time, at least MIN_PROMPTS in all) and each
 mode (greedy; sampled at T 0.7, top-p 0.95), every engine generates `--new-tokens` tokens per prompt
-(ignore_eos) from the same chat-templated prompts: real instructions of mixed length (Stanford
-Alpaca's 175 seed tasks, CC BY-NC, shipped in batchgen/benchmarks/data). It prints tok/s, ITL
+(ignore_eos) from the same chat-templated prompts: real instructions of mixed length, 40 to 256
+tokens (Stanford Alpaca's 175 seed tasks, CC BY-NC, shipped in batchgen/benchmarks/data). It prints tok/s, ITL
 p50/p95/p99 (per-token gaps after the first, pooled), MBU (bytes read per second over the peak the
 hardware probe measured) and the ratio to the best peer in the same row group. The native engine
 runs in fp32 and, as `native:auto`, in the dtype `--dtype auto` picks, with its greedy agreement
@@ -20,6 +20,7 @@ compare ratios from one run, never absolute numbers across runs.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -31,6 +32,8 @@ from batchgen.config import EngineConfig, SamplingParams
 
 HELD_PROMPTS = Path(__file__).parent / "benchmarks" / "data" / "held_prompts.parquet"
 MIN_PROMPTS = 4  # batch 1 runs four prompts one after another
+MAX_PROMPT_TOKENS = 256  # longer held prompts are left out: one 1350-token prompt would make HF pad its
+# whole batch to 1350 (its real cost, but it would measure padding, and take an hour at batch 256)
 MODES = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p=0.95)}
 COPY_TEMPLATE = "Repeat the following text exactly, word for word, and nothing else:\n\n{text}"
 
@@ -114,11 +117,12 @@ def run_engine(engine, prompt_ids: list[list[int]], batch: int, params: Sampling
             "outputs": [outputs[i] for i in sorted(outputs)]}
 
 
-def make_engine(name: str, model_dir, dtype: str, max_num_seqs: int, max_model_len: int, k: int = 0):
+def make_engine(name: str, model_dir, dtype: str, max_num_seqs: int, max_model_len: int, kv_tokens: int,
+                k: int = 0):
     from batchgen.engine import create_engine
 
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
-                       kv_cache_tokens=max_num_seqs * max_model_len,  # room for every row: no preemption
+                       kv_cache_tokens=kv_tokens,  # room for every row in flight: no preemption
                        max_num_batched_tokens=max(4096, max_model_len), speculative_ngram=k,
                        enable_prefix_caching=False)  # the variants share no prefix; keep it a pure decode test
     return create_engine(name, model_dir, cfg)
@@ -199,8 +203,10 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
         return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
 
     most = max(max(batches), MIN_PROMPTS)
-    held = chat(held_prompts(most))
+    held = [p for p in chat(held_prompts(2 * most)) if len(p) <= MAX_PROMPT_TOKENS][:most]
     max_len = max(len(p) for p in held) + new_tokens + 8
+    # KV for the largest batch's rows in flight at once (each padded to whole 16-position blocks)
+    kv_tokens = max(sum(len(p) + new_tokens + 32 for p in held[:b]) for b in batches)
     results: list[Measurement] = []
 
     def grid_prompts(b: int) -> list[list[int]]:
@@ -229,8 +235,9 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                     m = runner.run(grid_prompts(b), b, mode, new_tokens, peak_bw)
                     record(Measurement("grid", name, dtype, b, mode, "held", 0, len(grid_prompts(b)), 0, 0.0), m)
             del runner
+            gc.collect()
             continue
-        engine = make_engine(name.split(":")[0], model_dir, dtype, max(batches), max_len)
+        engine = make_engine(name.split(":")[0], model_dir, dtype, max(batches), max_len, kv_tokens)
         resolved = engine.conditions().get("dtype", dtype)
         for b in batches:
             for mode in modes:
@@ -238,22 +245,27 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                 m = run_engine(engine, grid_prompts(b), b, params, peak_bw, f"{mode}{b}")
                 record(Measurement("grid", name, resolved, b, mode, "held", 0, len(grid_prompts(b)), 0, 0.0), m)
         engine.close()
+        del engine
+        gc.collect()
 
     # speculation: a workload that copies from its prompt, and an open-ended one
     if speculative_k:
         texts = held_prompts(spec_batch)
         workloads = {"copy": chat([COPY_TEMPLATE.format(text=t) for t in texts]), "open": chat(texts)}
         spec_len = max(len(p) for w in workloads.values() for p in w) + new_tokens + 8
+        spec_kv = max(sum(len(p) + new_tokens + 32 for p in w) for w in workloads.values())
         for name in [e for e in engines if e != "hf"]:
             for k in (0, speculative_k):
                 log(f"{name} speculative k={k} ...")
-                engine = make_engine(name, model_dir, "float32", spec_batch, spec_len, k)
+                engine = make_engine(name, model_dir, "float32", spec_batch, spec_len, spec_kv, k)
                 for w, prompts in workloads.items():
                     params = SamplingParams(max_tokens=new_tokens, ignore_eos=False)  # copying ends by itself
                     m = run_engine(engine, prompts, spec_batch, params, peak_bw, f"{w}{k}")
                     record(Measurement("speculative", name, "float32", spec_batch, "greedy", w, k, len(prompts), 0,
                                        0.0), m)
                 engine.close()
+                del engine
+                gc.collect()
     _compare(results)
     conditions = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": str(model_dir), "cpu": cpu_model(),
                   "machine": platform.machine(), "cores": os.cpu_count(), "new_tokens": new_tokens,

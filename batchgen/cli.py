@@ -31,7 +31,7 @@ def cmd_generate(args) -> int:
 
     def started(opened) -> None:
         print(f"batchgen: run {opened.run.path}{' (resuming)' if opened.resumed else ''}; "
-              f"resume with --run-id {opened.run.path.name}", file=sys.stderr)
+              f"resume with --run-id {opened.run.name}", file=sys.stderr)
 
     summary = generate(settings.to_run_config(), on_start=started)
     rate = summary.output_tokens / summary.wall_s if summary.wall_s else 0.0
@@ -44,11 +44,11 @@ def cmd_generate(args) -> int:
 def cmd_report(args) -> int:
     from pathlib import Path
 
-    from batchgen.report.build import build_report, headline_text
+    from batchgen.report.build import build_report, default_report_dir, headline_text
 
     if args.out is None and len(args.run_dirs) != 1:
         raise ValueError("several runs: say where the report goes with --out DIR")
-    out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "report"
+    out = Path(args.out) if args.out else default_report_dir(args.run_dirs[0])
     results = build_report(args.run_dirs, out, window_s=args.window_s, memory_limit=args.memory_limit)
     print(headline_text(results))
     print(f"\nreport: {out / 'report.html'} (+ one Parquet and CSV file per query in {out})")

@@ -261,10 +261,13 @@ class RunConfig:
     lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, local adapter dir) a row's lora column picks from
     keep_columns: tuple[str, ...] = ()  # input columns carried into requests/ and errors/
     n: int = 1  # samples per prompt (a row's n column wins)
+    output_format: str = "parquet"  # or "openai-batch": also the Batch API's output and error JSONL files
     progress: bool = True
 
     def __post_init__(self) -> None:
         _require(len(self.inputs) > 0, "at least one input path is required")
+        _require(self.output_format in ("parquet", "openai-batch"),
+                 f"output_format must be parquet or openai-batch, got {self.output_format!r}")
         _require(self.engine in ENGINES, f"engine must be one of {ENGINES}, got {self.engine!r}")
         _require(self.shard_size >= 1, f"shard_size must be >= 1, got {self.shard_size}")
         _require(self.run_id is None or is_plain_name(self.run_id),

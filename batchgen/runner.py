@@ -26,6 +26,7 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from batchgen.config import RunConfig
+from batchgen.data.fs import join
 from batchgen.data.prompts import InputProcessor, PreparedRow, RowError
 from batchgen.data.reader import InputError, PromptDataset, Shard
 from batchgen.data.run import RunDir, new_run_id
@@ -85,7 +86,7 @@ def open_run(cfg: RunConfig) -> OpenRun:
         from batchgen.engine.vllm import check_vllm_options
 
         check_vllm_options(dict(cfg.engine_options))
-    run = RunDir(Path(cfg.output_dir) / (cfg.run_id or new_run_id()))
+    run = RunDir(join(cfg.output_dir, cfg.run_id or new_run_id()))
     model_dir = resolve_model(cfg.model)
     identity = run_identity(cfg, model_dir, dataset.fingerprint())
     info = {"input": {"files": dataset.files, "rows": dataset.num_rows, "shards": dataset.num_shards(cfg.shard_size)},
@@ -244,11 +245,26 @@ def finalize(opened: OpenRun) -> dict[str, int]:
     as completed, write _SUCCESS and release the run's lease."""
     try:
         summary = opened.run.verify(opened.dataset.ids(), opened.num_shards)
+        if opened.cfg.output_format == "openai-batch":
+            write_openai_files(opened)
         opened.run.end_attempt("completed")
         opened.run.mark_success(summary)
         return summary
     finally:
         opened.run.unlock()
+
+
+def write_openai_files(opened: OpenRun) -> None:
+    """batch_output.jsonl and batch_errors.jsonl beside the Parquet tables (which stay the record),
+    line for line as the OpenAI Batch API writes its output and error files."""
+    from batchgen.data.formats import write_openai_batch
+
+    run = opened.run
+    out, err = write_openai_batch(run.read_table("requests"), run.read_table("errors"), opened.cfg.model,
+                                  chat=opened.dataset.prompt_column == "messages",
+                                  order=opened.dataset.ids().to_pylist())
+    run.store.write("batch_output.jsonl", out)
+    run.store.write("batch_errors.jsonl", err)
 
 
 def abandon(opened: OpenRun, exc: BaseException) -> None:
@@ -299,7 +315,7 @@ def generate(cfg: RunConfig, on_shard: Callable[[dict], None] | None = None, pro
             engine = load_engine(cfg, opened.model_dir)
             _RECORDED.discard(str(opened.run.path))
             _record_once(opened.run, cfg, engine, probe)
-            progress = _Progress(cfg.progress, opened.dataset.num_rows, opened.run.path.name)
+            progress = _Progress(cfg.progress, opened.dataset.num_rows, opened.run.name)
             for shard in opened.dataset.shards(cfg.shard_size):  # one streaming pass over the input
                 manifest = run_shard(cfg, opened.run, opened.dataset, engine, shard.index, progress, shard)
                 if manifest is None:

@@ -17,8 +17,11 @@ class GenerateSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    input: list[str] = Field(..., min_length=1, title="Input", description="Parquet file(s), directory or glob")
-    output: str = Field("runs", title="Output root", description="each run is written to OUTPUT/RUN_ID/")
+    input: list[str] = Field(..., min_length=1, title="Input",
+                             description="Parquet or JSONL (rows, or OpenAI Batch request lines): file(s), "
+                                         "directory or glob, local or a URI such as s3://bucket/prompts/")
+    output: str = Field("runs", title="Output root",
+                        description="each run is written to OUTPUT/RUN_ID/ (a local path or s3://bucket/prefix)")
     run_id: str | None = Field(None, title="Run id",
                                description="letters, digits, '.', '_', '-' (not starting with '.'); "
                                            "reuse an id to resume; a new one if empty",
@@ -81,6 +84,10 @@ class GenerateSettings(BaseModel):
                                                       "lora column names the one it uses")
     vllm: dict[str, Any] = Field(default_factory=dict, title="vLLM engine options",
                                  description="tensor_parallel_size, gpu_memory_utilization, enable_prefix_caching, ...")
+    output_format: Literal["parquet", "openai-batch"] = Field(
+        "parquet", title="Output format", description="openai-batch: also batch_output.jsonl and "
+                                                      "batch_errors.jsonl, as the OpenAI Batch API writes them "
+                                                      "(Parquet stays the record)")
     progress: bool = Field(True, title="Progress bar")
 
     @field_validator("response_format")
@@ -107,7 +114,7 @@ class GenerateSettings(BaseModel):
             engine_options=tuple(sorted(self.vllm.items())),
             chat_template_kwargs=tuple(sorted(self.chat_template_kwargs.items())),
             keep_columns=tuple(self.keep_columns), n=self.n, lora_adapters=tuple(sorted(self.lora_adapters.items())),
-            progress=self.progress)
+            output_format=self.output_format, progress=self.progress)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

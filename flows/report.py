@@ -8,7 +8,8 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
-from batchgen.report.build import build_report, format_table
+from batchgen.data.fs import basename
+from batchgen.report.build import build_report, default_report_dir, format_table
 
 HEADLINE_KEY = "batchgen-headline"
 LATENCY_KEY = "batchgen-latency"
@@ -47,13 +48,13 @@ def _r(v):
 def report(run_dirs: list[str], out_dir: str | None = None, window_s: float | None = None) -> dict[str, Any]:
     """Run the DuckDB reports over one or more run directories and publish headline artifacts."""
     logger = get_run_logger()
-    out = Path(out_dir) if out_dir else Path(run_dirs[0]) / "report"
+    out = Path(out_dir) if out_dir else default_report_dir(run_dirs[0])
     results = build_report(run_dirs, out, window_s=window_s)
     rows = headline_rows(results)
     create_table_artifact(rows, key=HEADLINE_KEY, description="batchgen headline figures with run conditions")
     latency = format_table(results["request_latency"]).replace("\n", "\n    ")
     itl = format_table(results["itl_by_context_concurrency"]).replace("\n", "\n    ")
-    md = (f"# batchgen latency: {', '.join(Path(d).name for d in run_dirs)}\n\n"
+    md = (f"# batchgen latency: {', '.join(basename(d) for d in run_dirs)}\n\n"
           f"Definitions: METRICS.md (TTFT includes queueing; TPOT per request; ITL pooled over tokens).\n\n"
           f"## Per-request latency (s)\n\n    {latency}\n\n## ITL by context length x concurrency (s)\n\n    {itl}\n")
     create_markdown_artifact(md, key=LATENCY_KEY, description="percentile tables")

@@ -106,3 +106,65 @@ def prefect_harness(tmp_path_factory):
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server (moto in server mode, from PyPI) on 127.0.0.1, started for the session; the
+    standard AWS variables point every client at it (this process and its children)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path_factory.mktemp("moto") / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            urllib.request.urlopen(endpoint + "/", timeout=1)
+            break
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto server exited with {proc.returncode}; see {log.name}")
+            time.sleep(0.1)
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": endpoint}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield endpoint
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def bucket(s3_server, request) -> str:
+    """A fresh bucket on the session's S3 server: its s3:// URI."""
+    import re
+    import uuid
+
+    from batchgen.data.fs import filesystem
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:6]
+    fs, _ = filesystem(f"s3://{name}")
+    fs.mkdir(name)
+    return f"s3://{name}"
+
+
+def upload(local: Path, uri: str) -> str:
+    from batchgen.data.fs import filesystem
+
+    fs, path = filesystem(uri)
+    fs.put_file(str(local), path)
+    return uri

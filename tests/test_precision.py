@@ -103,3 +103,17 @@ def test_compiled_step_gives_the_eager_tokens(real_model_dir):
     assert c_off["compile"] == "off" and c_off["compile_s"] is None
     assert c_on["compile"] == "default" and c_on["compile_s"] > 0
     assert compiled == eager
+
+
+def test_gpu_check_runs_its_code_path_on_cpu_with_a_small_shape(tmp_path, monkeypatch):
+    """bench/gpu.sh's module, at a small shape on CPU: a random model built in place, every batch
+    measured with its conditions (the figures themselves are never asserted)."""
+    monkeypatch.setenv("BATCHGEN_HOME", str(tmp_path))
+    from batchgen.benchmarks import gpu
+
+    lines = []
+    rows = gpu.run("small", "cpu", [1, 3], prompt_tokens=8, new_tokens=4, compile_="off", log=lines.append)
+    assert [r["batch"] for r in rows] == [1, 3]
+    assert all(r["tok_per_s"] > 0 and 0 < r["mbu"] and r["itl_p50_ms"] <= r["itl_p99_ms"] for r in rows)
+    assert "shape small" in lines[0] and "probe peak read" in lines[0]
+    assert all("tok/s" in l and "MBU" in l for l in lines[1:])

@@ -4,13 +4,14 @@ import os
 
 import pytest
 
-from conftest import read_run_table, write_prompts
+from conftest import read_run_table, upload, write_prompts
 
 pytestmark = pytest.mark.heavy  # starts vLLM, a Prefect server or a Ray cluster: not in `make test-fast`
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(s3_server):
+    """Started after the S3 server, so the worker processes inherit the endpoint and credentials."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # the head runs no shard
@@ -50,3 +51,23 @@ def test_shards_land_on_both_workers_with_the_local_result(tmp_path, tiny_model_
     assert len(ray_workers) == 2, on_ray["workers"]  # both worker nodes committed shards
     assert outputs(on_ray["run_dir"]) == outputs(local["run_dir"])  # the same exactly-once result
     assert outputs(on_ray["run_dir"])[1] == ["r11"]
+
+
+def test_two_ray_workers_write_the_shards_of_one_run_to_the_same_bucket(tmp_path, tiny_model_dir, ray_cluster,
+                                                                         bucket):
+    """Workers on different nodes share no disk: the input and the run live in the bucket."""
+    from batchgen.data.fs import Store
+    from batchgen.settings import GenerateSettings
+    from flows.generate import FanOut, generate
+
+    inp = write_prompts(tmp_path / "in.parquet", [f"tell me about {i}" for i in range(11)] + [""],
+                        ids=[f"r{i:02d}" for i in range(12)])
+    upload(inp, f"{bucket}/in/prompts.parquet")
+    base = dict(model=str(tiny_model_dir), max_tokens=4, max_model_len=64, max_num_seqs=2, shard_size=2)
+    on_ray = generate(GenerateSettings(**base, input=[f"{bucket}/in/"], output=f"{bucket}/runs", run_id="ray"),
+                      FanOut(ray_address=ray_cluster.address))
+    local = generate(GenerateSettings(**base, input=[str(inp)], output=str(tmp_path / "runs"), run_id="local"))
+    assert on_ray["run_dir"] == f"{bucket}/runs/ray" and on_ray["shards"] == 6
+    assert len([w for w in on_ray["workers"] if w.startswith("ray-node-")]) == 2, on_ray["workers"]
+    assert outputs(on_ray["run_dir"]) == outputs(local["run_dir"])
+    assert Store(on_ray["run_dir"]).exists("_SUCCESS")

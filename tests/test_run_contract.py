@@ -1,6 +1,7 @@
 """The run contract: SIGKILL at any point, resume, exactly-once output, locks and identity."""
 
 import json
+from pathlib import Path
 import os
 import signal
 import subprocess
@@ -78,13 +79,13 @@ def test_a_live_lock_is_refused_and_names_its_holder(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         run = RunDir(tmp_path / "r")
-        run.path.mkdir()
-        (run.path / ".lock").write_text(json.dumps({"pid": holder.pid, "host": os.uname().nodename, "since": 0}))
+        Path(run.path).mkdir()
+        (Path(run.path) / ".lock").write_text(json.dumps({"pid": holder.pid, "host": os.uname().nodename, "since": 0}))
         with pytest.raises(RunError, match=f"locked by pid {holder.pid}"):
             run.open({"x": 1})
     finally:
         holder.kill()
         holder.wait()
     run.open({"x": 1})  # the holder is dead now: its lock is stale and taken over
-    assert json.loads((run.path / ".lock").read_text())["pid"] == os.getpid()
+    assert json.loads((Path(run.path) / ".lock").read_text())["pid"] == os.getpid()
     run.unlock()

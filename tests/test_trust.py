@@ -2,6 +2,7 @@
 it cleanly, and reports never pass a partial run off as whole. Real processes and real signals."""
 
 import json
+from pathlib import Path
 import os
 import signal
 import subprocess
@@ -100,7 +101,7 @@ def test_success_needs_the_same_id_set_not_only_the_same_count(tmp_path, dataset
             pq.write_table(tables[f["table"]], p)
             from batchgen.data.storage import sha256_file
             f.update(bytes=p.stat().st_size, sha256=sha256_file(p), rows=tables[f["table"]].num_rows)
-    rd.manifest_path(0).write_text(json.dumps(manifest))
+    Path(rd.manifest_path(0)).write_text(json.dumps(manifest))
     for m in rd.manifests()[1:]:
         rd.clear_shard(m["shard"])
     with pytest.raises(RunError, match=r"1 input ids have no output \(e.g. 'id00'\).*not in the input"):

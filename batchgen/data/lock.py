@@ -12,8 +12,10 @@ Who may take a lease that exists:
 
 Every read-judge-write of a lease file happens under `flock` on a guard file beside it, so a
 takeover is a compare-and-swap: of any number of concurrent takers exactly one wins. The guard is
-never deleted (deleting a flocked file would break the exclusion). An object store gets the same
-compare-and-swap from conditional writes (If-None-Match / If-Match on the ETag).
+never deleted (deleting a flocked file would break the exclusion). On an object store the same
+read-judge-write is a conditional write (If-None-Match: * to create, If-Match: <ETag> to replace):
+a writer that lost the race gets 412, reads the new holder and judges again. The judging rules are
+the same code on both.
 """
 
 from __future__ import annotations
@@ -102,11 +104,23 @@ def _write(path: Path, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-class Lease:
-    """A lock file that expires unless its holder keeps it alive. Use as a context manager."""
+_DELETE = object()  # a transaction's verdict: remove the lease file
 
-    def __init__(self, path: str | Path, what: str, ttl_s: float = DEFAULT_TTL_S):
-        self.path = Path(path)
+
+class Lease:
+    """A lock file that expires unless its holder keeps it alive. Use as a context manager.
+
+    `Lease(path, what)` for a local file, or `Lease(store, name, what)` for a name inside a
+    batchgen.data.fs.Store (a local directory or an object-store prefix)."""
+
+    def __init__(self, where, name_or_what: str, what: str | None = None, ttl_s: float = DEFAULT_TTL_S):
+        if what is None:  # Lease(path, what)
+            self.store, self.name, what = None, None, name_or_what
+            self.path = Path(where)
+        else:
+            self.store, self.name = where, name_or_what
+            self.path = Path(where.path(name_or_what)) if where.local else None
+        self.location = str(self.path) if self.path is not None else self.store.path(self.name)
         self.what = what
         self.ttl_s = ttl_s
         self.token: str | None = None
@@ -116,10 +130,47 @@ class Lease:
     def held(self) -> bool:
         return self.token is not None and not self.lost
 
+    def _transact(self, judge):
+        """judge(holder or None) -> (verdict, result), atomically against the lease file: verdict is
+        a new document to write, _DELETE, or None (leave it). Returns result."""
+        if self.path is not None:
+            with _guard(self.path):
+                verdict, result = judge(_read(self.path))
+                if verdict is _DELETE:
+                    self.path.unlink(missing_ok=True)
+                elif verdict is not None:
+                    _write(self.path, verdict)
+            return result
+        from batchgen.data.fs import PreconditionFailed
+
+        for _ in range(20):
+            got = self.store.read_versioned(self.name)
+            holder = None
+            if got is not None:
+                try:
+                    holder = json.loads(got[0] or b"{}")
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    holder = {}
+            verdict, result = judge(holder)
+            try:
+                if verdict is _DELETE:
+                    self.store.delete(self.name)
+                elif verdict is not None:
+                    data = json.dumps(verdict).encode()
+                    if got is None:
+                        self.store.create_exclusive(self.name, data)
+                    else:
+                        self.store.replace_if(self.name, data, got[1])
+                return result
+            except PreconditionFailed:
+                continue  # someone wrote between our read and our write: judge the new holder
+        raise LockError(f"{self.what}: too many concurrent writers of {self.location}; try again")
+
     def _stale_reason(self, holder: dict[str, Any], now: float) -> str | None:
         """Why the lease in the file can be taken over, or None if its holder may still be alive."""
         if not holder.get("pid"):
-            return "it is unreadable" if _age(self.path) > 5 else None  # not ours to judge for a moment
+            age = _age(self.path) if self.path is not None else 10.0
+            return "it is unreadable" if age > 5 else None  # not ours to judge for a moment
         if holder.get("token") in _HELD:
             return None  # held by this very process (another part of it): never a second holder
         if holder.get("host") == HOST and holder.get("boot_id", BOOT_ID) == BOOT_ID:
@@ -135,14 +186,24 @@ class Lease:
     def acquire(self) -> "Lease":
         me = {"token": uuid.uuid4().hex, "pid": os.getpid(), "pid_start": _pid_start(os.getpid()), "host": HOST,
               "boot_id": BOOT_ID, "ttl_s": self.ttl_s}
-        with _guard(self.path):
+        def judge(holder):
             now = time.time()
-            holder = _read(self.path)
             if holder is not None and self._stale_reason(holder, now) is None:
-                raise LockError(self._refusal(holder, now))
-            _write(self.path, {**me, "since": now, "heartbeat": now})
+                return None, self._refusal(holder, now)
+            return {**me, "since": now, "heartbeat": now}, None
+
+        # known as ours before it is written: another thread of this process that reads it next must
+        # see a live holder, not "this pid, but not held" (which would read as pid reuse)
+        _HELD[me["token"]] = self
+        try:
+            refusal = self._transact(judge)
+        except BaseException:
+            _HELD.pop(me["token"], None)
+            raise
+        if refusal:
+            _HELD.pop(me["token"], None)
+            raise LockError(refusal)
         self.token, self.lost = me["token"], False
-        _HELD[self.token] = self
         _Keeper.ensure_running()
         return self
 
@@ -158,18 +219,21 @@ class Lease:
         expires = float(holder.get("heartbeat", 0)) + float(holder.get("ttl_s", self.ttl_s))
         return (msg + f"; if that process is gone, its lease expires in {max(expires - now, 0):.0f} s "
                 f"(at {time.strftime('%H:%M:%S', time.localtime(expires))}) and a re-run then takes it over; "
-                f"to take it now, delete {self.path}")
+                f"to take it now, delete {self.location}")
 
     def heartbeat(self) -> bool:
         """Refresh our heartbeat if the lease is still ours; False (and `lost`) if it is not."""
         if self.token is None:
             return False
-        with _guard(self.path):
-            holder = _read(self.path)
+
+        def judge(holder):
             if not holder or holder.get("token") != self.token:
-                self.lost = True
-                return False
-            _write(self.path, {**holder, "heartbeat": time.time()})
+                return None, False
+            return {**holder, "heartbeat": time.time()}, True
+
+        if not self._transact(judge):
+            self.lost = True
+            return False
         return True
 
     def check(self) -> None:
@@ -184,10 +248,7 @@ class Lease:
         if token is None:
             return
         _HELD.pop(token, None)
-        with _guard(self.path):
-            holder = _read(self.path)
-            if holder and holder.get("token") == token:
-                self.path.unlink(missing_ok=True)
+        self._transact(lambda holder: (_DELETE if holder and holder.get("token") == token else None, None))
 
     def __enter__(self) -> "Lease":
         return self.acquire()
@@ -230,5 +291,5 @@ class _Keeper:
             interval = min((lease.ttl_s for lease in leases), default=DEFAULT_TTL_S) / 4
             cls._wake.wait(max(interval, 0.05))
             for lease in list(_HELD.values()):
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(Exception):  # a network blip must not end the keeper: retry next beat
                     lease.heartbeat()

@@ -1,7 +1,9 @@
 """Streaming, validated reads of a Parquet prompt dataset, cut into deterministic shards.
 
-Inputs: one file, several files, a directory (hive partitions included) or a glob. Rows are read in
-record batches, so memory is bounded by the shard size, not the dataset. Whole-input problems
+Inputs: one file, several files, a directory (hive partitions included) or a glob, as local paths or
+URIs (s3://bucket/prefix/*.parquet: batchgen.data.fs). Parquet is read in record batches, so memory
+is bounded by the shard size, not the dataset. JSONL files (plain rows, or the OpenAI Batch API's
+request lines: batchgen.data.formats) are read whole, file by file. Whole-input problems
 (no prompt column, a wrong type, a corrupt file, duplicate ids, no rows) raise InputError with one
 line that names the file and the column before any generation starts.
 """
@@ -19,6 +21,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from batchgen.data.formats import is_jsonl, read_jsonl
+from batchgen.data.fs import filesystem, is_uri
 from batchgen.data.storage import sha256_file
 
 PROMPT, MESSAGES, ID = "prompt", "messages", "id"
@@ -30,19 +34,46 @@ class InputError(ValueError):
     """The input as a whole cannot be used; nothing was generated."""
 
 
+def _data_file(name: str) -> bool:
+    return name.endswith(".parquet") or is_jsonl(name)
+
+
+def _expand_uri(item: str) -> list[str]:
+    fs, path = filesystem(item)
+    proto = item.split("://", 1)[0]
+    if any(ch in item for ch in "*?["):
+        matched = sorted(m for m in fs.glob(path) if fs.isfile(m))
+        if not matched:
+            raise InputError(f"{item}: no files match this glob")
+        return [f"{proto}://{m}" for m in matched]
+    if fs.isfile(path):
+        return [item]
+    if fs.isdir(path):
+        root = path.rstrip("/")
+        found = sorted(f for f in fs.find(root) if _data_file(f) and not any(
+            part.startswith((".", "_")) for part in f[len(root) + 1:].split("/")))
+        if not found:
+            raise InputError(f"{item}: holds no .parquet or .jsonl files")
+        return [f"{proto}://{f}" for f in found]
+    raise InputError(f"{item}: no such file or prefix")
+
+
 def expand_inputs(inputs: tuple[str, ...] | list[str]) -> list[str]:
     files: list[str] = []
     for item in inputs:
+        if is_uri(item):
+            files += _expand_uri(item)
+            continue
         if any(ch in item for ch in "*?["):
             matched = [m for m in sorted(globlib.glob(item, recursive=True)) if os.path.isfile(m)]
             if not matched:
                 raise InputError(f"{item}: no files match this glob")
             files += matched
         elif os.path.isdir(item):
-            found = sorted(str(p) for p in Path(item).rglob("*.parquet") if p.is_file()
+            found = sorted(str(p) for p in Path(item).rglob("*") if p.is_file() and _data_file(p.name)
                            and not any(part.startswith((".", "_")) for part in p.relative_to(item).parts))
             if not found:
-                raise InputError(f"{item}: directory holds no .parquet files")
+                raise InputError(f"{item}: directory holds no .parquet or .jsonl files")
             files += found
         elif os.path.isfile(item):
             files.append(item)
@@ -63,6 +94,39 @@ def _plain(t: pa.DataType) -> pa.DataType:
     if pa.types.is_floating(t):
         return pa.float64()
     return t
+
+
+def _read_bytes(f: str) -> bytes:
+    if is_uri(f):
+        fs, p = filesystem(f)
+        return fs.cat_file(p)
+    with open(f, "rb") as fh:
+        return fh.read()
+
+
+def _parquet(f: str) -> pq.ParquetFile:
+    """A Parquet file, local or behind a URI (read through fsspec, footer first, then row groups)."""
+    if is_uri(f):
+        fs, p = filesystem(f)
+        try:
+            return pq.ParquetFile(fs.open(p, "rb", block_size=1 << 23))
+        except FileNotFoundError:
+            raise InputError(f"{f}: no such object") from None
+    return pq.ParquetFile(f)
+
+
+def _identity(f: str) -> str:
+    """What identifies a file's content: local, its absolute path, size and sha256; on an object
+    store, its URI, size and ETag (the store's own content tag), or a sha256 where there is none."""
+    if not is_uri(f):
+        return f"{os.path.abspath(f)}|{os.path.getsize(f)}|{sha256_file(Path(f))}"
+    fs, p = filesystem(f)
+    info = fs.info(p)
+    tag = info.get("ETag") or info.get("etag") or info.get("md5Hash")
+    if not tag:
+        h = hashlib.sha256(fs.cat_file(p))
+        tag = h.hexdigest()
+    return f"{f}|{info.get('size')}|{str(tag).strip(chr(34))}"
 
 
 class InvalidValue:
@@ -104,11 +168,20 @@ class PromptDataset:
         self.keep_columns = list(keep_columns)
         self.num_rows = 0
         self._rows_per_file: list[tuple[str, int]] = []
+        self._jsonl: dict[str, pa.Table] = {}  # JSONL inputs, read whole
         file_schemas: list[pa.Schema] = []
         for f in self.files:
+            if is_jsonl(f):
+                table = self._jsonl[f] = read_jsonl(_read_bytes(f), f)
+                file_schemas.append(table.schema)
+                self.num_rows += table.num_rows
+                self._rows_per_file.append((f, table.num_rows))
+                continue
             try:
-                meta = pq.read_metadata(f)
-                file_schemas.append(pq.read_schema(f))
+                meta = _parquet(f).metadata
+                file_schemas.append(meta.schema.to_arrow_schema())
+            except InputError:
+                raise
             except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
                 raise InputError(f"{f}: not a readable Parquet file ({type(e).__name__}: {str(e).splitlines()[0]})") from None
             self.num_rows += meta.num_rows
@@ -175,7 +248,7 @@ class PromptDataset:
             return pa.array([str(i) for i in range(self.num_rows)], pa.string())
         parts = []
         for f in self.files:
-            col = pq.read_table(f, columns=[ID]).column(ID)
+            col = self._jsonl[f].column(ID) if f in self._jsonl else _parquet(f).read(columns=[ID]).column(ID)
             col = col.cast(_plain(col.type)).cast(pa.string())
             try:
                 col.validate(full=True)
@@ -189,7 +262,7 @@ class PromptDataset:
         A file rewritten in place (same size, same row count) is a different input."""
         h = hashlib.sha256()
         for f in self.files:
-            h.update(f"{os.path.abspath(f)}|{os.path.getsize(f)}|{sha256_file(Path(f))}\n".encode())
+            h.update(f"{_identity(f)}\n".encode())
         h.update(str(self.schema).encode())
         return h.hexdigest()[:16]
 
@@ -228,7 +301,13 @@ class PromptDataset:
             offset += n_rows
             if f_lo >= f_hi:
                 continue
-            pf = pq.ParquetFile(path)
+            if path in self._jsonl:
+                table = self._jsonl[path]
+                present = [c for c in self.columns if c in table.column_names]
+                for b0 in range(f_lo, f_hi, batch_size):
+                    yield self._normalise(table.slice(b0, min(batch_size, f_hi - b0)).select(present), present)
+                continue
+            pf = _parquet(path)
             groups, start, pos = [], 0, None
             for g in range(pf.num_row_groups):
                 n = pf.metadata.row_group(g).num_rows

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import socket
 import time
 import uuid
@@ -33,8 +32,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from batchgen.data.fs import Store, basename
 from batchgen.data.lock import Lease, LockError
-from batchgen.data.storage import durable_write, fsync_dir, sha256_file
 from batchgen.faults import checkpoint
 
 TABLES = ("requests", "errors", "tokens", "steps")
@@ -52,10 +51,15 @@ def new_run_id() -> str:
 
 
 class RunDir:
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self._lock = Lease(self.path / ".lock", f"run directory {self.path}")
-        self._attempt_file: Path | None = None
+    """A run's files under a local directory or an object-store prefix (s3://bucket/runs/<id>): the
+    same layout and the same protocol on both; only the primitives differ (batchgen.data.fs)."""
+
+    def __init__(self, location: str | Path):
+        self.store = Store(location)
+        self.path = self.store.location  # a local path or a URI, as given
+        self.name = basename(self.path)
+        self._lock = Lease(self.store, ".lock", f"run directory {self.path}")
+        self._attempt_file: str | None = None
 
     @staticmethod
     def shard_name(index: int) -> str:
@@ -67,32 +71,31 @@ class RunDir:
         """Create the run (or check that an existing one has the same identity) and take its lease.
         Returns True on resume."""
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            probe = self.path / f".write-test-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
+            self.store.makedirs()
+            probe = f".write-test-{socket.gethostname()}-{os.getpid()}"
+            self.store.write(probe, b"", atomic=False)
+            self.store.delete(probe)
         except OSError as e:
-            raise RunError(f"output directory {self.path} cannot be written: {e.strerror}") from None
+            raise RunError(f"output location {self.path} cannot be written: {e.strerror or e}") from None
         self.lock()
-        run_json = self.path / "run.json"
-        if run_json.is_file():
-            old = json.loads(run_json.read_text()).get("identity", {})
+        if self.store.exists("run.json"):
+            old = self.read_json().get("identity", {})
             changed = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
             if changed:
                 self.unlock()
                 words = ", ".join(IDENTITY_WORDS.get(k, k) for k in changed)
-                raise RunError(f"run {self.path.name} was started with a different {words}; "
+                raise RunError(f"run {self.name} was started with a different {words}; "
                                f"use a new --run-id (or the original settings and input) to continue")
             return True
-        doc = {"run_id": self.path.name, "run_start_wall": time.time(), "identity": identity, **(info or {})}
+        doc = {"run_id": self.name, "run_start_wall": time.time(), "identity": identity, **(info or {})}
         self._write_json(doc)
         return False
 
     def read_json(self) -> dict[str, Any]:
-        return json.loads((self.path / "run.json").read_text())
+        return json.loads(self.store.read_bytes("run.json"))
 
     def _write_json(self, doc: dict[str, Any]) -> None:
-        durable_write(self.path / "run.json", json.dumps(doc, indent=2, sort_keys=True, default=str).encode())
+        self.store.write("run.json", json.dumps(doc, indent=2, sort_keys=True, default=str).encode())
 
     def lock(self) -> None:
         try:
@@ -104,33 +107,30 @@ class RunDir:
         self._lock.release()
 
     def shard_lock(self, index: int) -> Lease:
-        (self.path / "_locks").mkdir(exist_ok=True)
-        return Lease(self.path / "_locks" / f"{self.shard_name(index)}.lock", f"shard {index} of run {self.path.name}")
+        self.store.makedirs("_locks")
+        return Lease(self.store, f"_locks/{self.shard_name(index)}.lock", f"shard {index} of run {self.name}")
 
     # ---- attempts -------------------------------------------------------------------------------
 
     def record_attempt(self, conditions: dict[str, Any]) -> None:
         """One file per engine-holding process (workers may run in parallel); merged into run.json."""
-        d = self.path / "_attempts"
-        d.mkdir(exist_ok=True)
         doc = {"started_wall": time.time(), "host": socket.gethostname(), "pid": os.getpid(), "status": "running",
                "conditions": conditions}
-        self._attempt_file = d / f"{doc['started_wall']:.6f}-{doc['host']}-{doc['pid']}.json"
-        durable_write(self._attempt_file, json.dumps(doc, default=str).encode())
+        self._attempt_file = f"_attempts/{doc['started_wall']:.6f}-{doc['host']}-{doc['pid']}.json"
+        self.store.write(self._attempt_file, json.dumps(doc, default=str).encode())
 
     def end_attempt(self, status: str, detail: str | None = None) -> None:
         """Say how this process's attempt ended: completed | interrupted | failed; and, if we hold the
         run's lease, merge every attempt into run.json."""
-        if self._attempt_file is not None and self._attempt_file.is_file():
-            doc = json.loads(self._attempt_file.read_text())
+        if self._attempt_file is not None and self.store.exists(self._attempt_file):
+            doc = json.loads(self.store.read_bytes(self._attempt_file))
             doc.update(status=status, ended_wall=time.time(), **({"detail": detail} if detail else {}))
-            durable_write(self._attempt_file, json.dumps(doc, default=str).encode())
+            self.store.write(self._attempt_file, json.dumps(doc, default=str).encode())
         if self._lock.held:
             self._merge_attempts()
 
     def attempts(self) -> list[dict[str, Any]]:
-        d = self.path / "_attempts"
-        docs = [json.loads(p.read_text()) for p in d.glob("*.json")] if d.is_dir() else []
+        docs = [json.loads(self.store.read_bytes(f)) for f in self.store.list("_attempts") if f.endswith(".json")]
         return sorted(docs, key=lambda a: a["started_wall"])
 
     def _merge_attempts(self) -> None:
@@ -143,35 +143,39 @@ class RunDir:
 
     # ---- shards ---------------------------------------------------------------------------------
 
-    def manifest_path(self, index: int) -> Path:
-        return self.path / "_manifests" / f"{self.shard_name(index)}.json"
+    def manifest_name(self, index: int) -> str:
+        return f"_manifests/{self.shard_name(index)}.json"
+
+    def manifest_path(self, index: int) -> str:
+        return self.store.path(self.manifest_name(index))
 
     def check_shard(self, index: int) -> tuple[bool, str | None]:
         """(committed, problem): a shard counts as committed only if every file its manifest names is
         there with the recorded size and sha256. `problem` says what failed, naming the file."""
-        m = self.manifest_path(index)
-        if not m.is_file():
-            return False, None
+        m = self.manifest_name(index)
         try:
-            files = json.loads(m.read_text())["files"]
+            files = json.loads(self.store.read_bytes(m))["files"]
+        except FileNotFoundError:
+            return False, None
         except (OSError, ValueError, KeyError) as e:
-            return False, f"{m}: unreadable manifest ({e})"
+            return False, f"{self.store.path(m)}: unreadable manifest ({e})"
         for f in files:
-            p = self.path / f["path"]
-            if not p.is_file():
-                return False, f"{p} is missing"
-            if p.stat().st_size != f["bytes"]:
-                return False, f"{p} has {p.stat().st_size} bytes, its manifest says {f['bytes']}"
-            if sha256_file(p) != f["sha256"]:
-                return False, f"{p} does not match the sha256 in its manifest"
+            p, where = f["path"], self.store.path(f["path"])
+            if not self.store.exists(p):
+                return False, f"{where} is missing"
+            size = self.store.size(p)
+            if size != f["bytes"]:
+                return False, f"{where} has {size} bytes, its manifest says {f['bytes']}"
+            if self.store.sha256(p) != f["sha256"]:
+                return False, f"{where} does not match the sha256 in its manifest"
         return True, None
 
     def clear_shard(self, index: int) -> None:
         """Remove a shard's manifest and every data file of it: what a crashed or damaged attempt left."""
         name = self.shard_name(index)
-        self.manifest_path(index).unlink(missing_ok=True)
+        self.store.delete(self.manifest_name(index))
         for t in TABLES:
-            shutil.rmtree(self.path / t / name, ignore_errors=True)
+            self.store.delete_tree(f"{t}/{name}")
 
     def commit_shard(self, index: int, tables: dict[str, pa.Table], input_ids: pa.Array,
                      extra: dict[str, Any] | None = None, fence: Lease | None = None) -> dict[str, Any]:
@@ -188,10 +192,9 @@ class RunDir:
             pq.write_table(tables[t], buf, compression="zstd")
             data = buf.getvalue().to_pybytes()
             rel = f"{t}/{name}/part-{attempt}.parquet"
-            if not (self.path / t / name).is_dir():
-                (self.path / t / name).mkdir(parents=True, exist_ok=True)
-                fsync_dir(self.path / t)  # the new shard directory's entry must survive a power cut too
-            durable_write(self.path / rel, data, atomic=False)  # a unique name: nobody else writes it
+            # a unique name: nobody else writes it, and no reader sees it before a manifest names it
+            # (local: written in place, fsynced with its directory; object store: one PUT)
+            self.store.write(rel, data, atomic=False)
             files.append({"table": t, "path": rel, "rows": tables[t].num_rows, "bytes": len(data),
                           "sha256": hashlib.sha256(data).hexdigest()})
             if i == 1:
@@ -203,34 +206,35 @@ class RunDir:
                     "committed_at": time.time(), **(extra or {})}
         if fence is not None:
             fence.check()
-        if not self.manifest_path(index).parent.is_dir():
-            self.manifest_path(index).parent.mkdir(exist_ok=True)
-            fsync_dir(self.path)
-        durable_write(self.manifest_path(index), json.dumps(manifest, indent=2).encode())
+        # the commit: atomic either way (local: rename; object store: a PUT is all or nothing)
+        self.store.write(self.manifest_name(index), json.dumps(manifest, indent=2).encode())
         self._remove_leftovers(index, {f["path"] for f in files})
         return manifest
 
     def _remove_leftovers(self, index: int, keep: set[str]) -> None:
         for t in TABLES:
-            d = self.path / t / self.shard_name(index)
-            for p in d.iterdir() if d.is_dir() else ():
-                if str(p.relative_to(self.path)) not in keep:
-                    p.unlink(missing_ok=True)
+            for rel in self.store.list(f"{t}/{self.shard_name(index)}"):
+                if rel not in keep:
+                    self.store.delete(rel)
 
     def manifests(self) -> list[dict[str, Any]]:
-        d = self.path / "_manifests"
-        return [json.loads(p.read_text()) for p in sorted(d.glob("shard=*.json"))] if d.is_dir() else []
+        names = [f for f in self.store.list("_manifests") if basename(f).startswith("shard=") and f.endswith(".json")]
+        return [json.loads(self.store.read_bytes(f)) for f in names]
 
-    def committed_files(self, table: str) -> list[Path]:
+    def committed_files(self, table: str) -> list[str]:
         """The data files of `table` that manifests name: the only ones a reader may see."""
-        return [self.path / f["path"] for m in self.manifests() for f in m["files"] if f["table"] == table]
+        return [self.store.path(f["path"]) for m in self.manifests() for f in m["files"] if f["table"] == table]
 
     def read_table(self, table: str, columns: list[str] | None = None) -> pa.Table:
         """One output table over the committed shards (leftovers of dead attempts are never read)."""
         from batchgen.data.writer import SCHEMAS
 
         schema = SCHEMAS[table] if columns is None else pa.schema([SCHEMAS[table].field(c) for c in columns])
-        parts = [pq.read_table(p, columns=columns) for p in self.committed_files(table)]
+        rels = [f["path"] for m in self.manifests() for f in m["files"] if f["table"] == table]
+        parts = []
+        for rel in rels:
+            with self.store.open_input(rel) as fh:
+                parts.append(pq.read_table(fh, columns=columns))
         return pa.concat_tables(parts, promote_options="default") if parts else schema.empty_table()
 
     # ---- the end --------------------------------------------------------------------------------
@@ -240,20 +244,20 @@ class RunDir:
         every committed file must match its checksum. Returns the summary that _SUCCESS records."""
         manifests = self.manifests()
         if sorted(m["shard"] for m in manifests) != list(range(num_shards)):
-            raise RunError(f"run {self.path.name}: committed shards do not match the {num_shards} expected")
+            raise RunError(f"run {self.name}: committed shards do not match the {num_shards} expected")
         for m in manifests:
             ok, problem = self.check_shard(m["shard"])
             if not ok:
-                raise RunError(f"run {self.path.name}: {problem}; run the same command again to redo the shard")
+                raise RunError(f"run {self.name}: {problem}; run the same command again to redo the shard")
         cols = ["id", "sample_index", "num_samples"]
         problems = exactly_once_problems(self.read_table("requests", cols), self.read_table("errors", cols), input_ids)
         if problems:
-            raise RunError(f"run {self.path.name}: {len(input_ids)} input rows, but {problems}; not marking success")
+            raise RunError(f"run {self.name}: {len(input_ids)} input rows, but {problems}; not marking success")
         return {"rows": len(input_ids), "ok": sum(m["ok"] for m in manifests),
                 "errors": sum(m["errors"] for m in manifests), "shards": num_shards}
 
     def mark_success(self, summary: dict[str, int]) -> None:
-        durable_write(self.path / "_SUCCESS", json.dumps(summary).encode())
+        self.store.write("_SUCCESS", json.dumps(summary).encode())
 
 
 def exactly_once_problems(requests: pa.Table, errors: pa.Table, input_ids: pa.Array) -> str | None:

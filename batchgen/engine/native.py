@@ -8,6 +8,7 @@ over the step, with one host sync. Bookkeeping after the step (stops, timings, e
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +28,7 @@ from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.speculative import NgramProposer
 from batchgen.engine.structured import GrammarConstraints
 from batchgen.faults import fail_if_poisoned, fault_requests_active
+from batchgen.model.llama import LlamaModel
 from batchgen.model.loader import DTYPES, load_model, read_model_config
 from batchgen.model.tokenizer import Tokenizer
 
@@ -35,16 +37,21 @@ class NativeEngine(Engine):
     name = "native"
 
     def __init__(self, model_dir: str | Path, config: EngineConfig = EngineConfig(),
-                 clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float] | None = None, *, model: LlamaModel | None = None, tokenizer=None):
+        """`model` (with `tokenizer`): an already built model, e.g. random weights of a large shape
+        for a benchmark (batchgen.model.random_init); then config.dtype is the model's."""
         self.config = config
         self.model_dir = Path(model_dir)
-        c = read_model_config(model_dir)
+        c = model.config if model is not None else read_model_config(model_dir)
         self.max_model_len = min(config.max_model_len, c.max_position_embeddings)
-        self.dtype, self.dtype_choice = resolve_dtype(config.dtype, config.device, config.max_num_seqs)
-        self.model = load_model(model_dir, self.dtype, config.device, max_positions=self.max_model_len,
-                                pack_weights=config.pack_weights)
+        if model is not None:
+            self.model, self.dtype, self.dtype_choice = model, str(model.dtype).removeprefix("torch."), "the model's"
+        else:
+            self.dtype, self.dtype_choice = resolve_dtype(config.dtype, config.device, config.max_num_seqs)
+            self.model = load_model(model_dir, self.dtype, config.device, max_positions=self.max_model_len,
+                                    pack_weights=config.pack_weights)
         self.compile_s = self._compile(config)
-        self.tokenizer = Tokenizer(model_dir)
+        self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(model_dir)
         self.eos_token_ids = set(c.eos_token_ids)
         self.clock = clock or monotonic_clock()
         bpe = torch.finfo(DTYPES[self.dtype]).bits // 8
@@ -74,11 +81,20 @@ class NativeEngine(Engine):
         the elementwise ops measured no faster (see `batchgen bench --compile`). Returns the seconds
         the compile took (paid here, on a warm-up forward, not inside the first step)."""
         on = config.compile == "on" or (config.compile == "auto" and config.device.startswith("cuda"))
-        if not on:
+        if not on or self.model.compiled:
             return None
         t0 = time.perf_counter()
+        # Inductor's on-disk cache beside the probe's, so a machine compiles once (not once per /tmp)
+        home = Path(os.environ.get("BATCHGEN_HOME", Path.home() / ".cache" / "batchgen"))
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(home / "inductor"))
+        # on CUDA, Inductor's reduce-overhead mode also records the compiled kernels as CUDA graphs
         self.model.compile("reduce-overhead" if config.device.startswith("cuda") else None)
-        self.model.warm_up()
+        try:
+            self.model.warm_up()
+        except Exception as e:  # a compiler that fails here must not take the run down: eager still works
+            if config.compile == "on":
+                raise
+            self.model.uncompile(f"failed ({type(e).__name__}: {str(e)[:200]}), eager")
         return time.perf_counter() - t0
 
     @property
@@ -125,6 +141,10 @@ class NativeEngine(Engine):
         sampled, logprobs = self.runner.execute(sched.chunks)  # one host sync
         end_t = self.clock()
         return self._postprocess(sched, sampled, logprobs, start_t, end_t)
+
+    def close(self) -> None:
+        """Give the KV pool back now (a process that builds another engine should not hold two)."""
+        self.runner.kv = None
 
     def conditions(self) -> dict[str, Any]:
         c, kv = self.config, self.runner.kv

@@ -127,6 +127,11 @@ class LlamaModel:
         self.act_mul = torch.compile(self.act_mul, **kw)
         self.compiled = mode or "default"
 
+    def uncompile(self, why: str) -> None:
+        self.norm_fn, self.rope_fn = rms_norm, apply_rope
+        self.act_mul = silu_mul if self.config.hidden_act == "silu" else gelu_mul
+        self.compiled = why
+
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Run the step's elementwise pieces at the shapes a step gives them (one token, and several:

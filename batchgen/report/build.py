@@ -11,6 +11,13 @@ from batchgen.report.html import partial_notes, render
 from batchgen.report.queries import LARGE, QUERIES, connect, copy_query
 
 
+def default_report_dir(run_dir: str | Path) -> Path:
+    """RUN_DIR/report for a local run; ./report-<run id> here for a run on an object store."""
+    from batchgen.data.fs import basename, is_uri
+
+    return Path(f"report-{basename(run_dir)}") if is_uri(run_dir) else Path(run_dir) / "report"
+
+
 def build_report(run_dirs: list[str | Path], out_dir: str | Path, window_s: float | None = None,
                  memory_limit: str | None = None) -> dict[str, pa.Table]:
     con = connect(run_dirs, window_s=window_s, memory_limit=memory_limit)

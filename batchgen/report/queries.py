@@ -38,15 +38,21 @@ def _literal(s: str) -> str:
 def connect(run_dirs: list[str | Path], window_s: float | None = None,
             memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
     """A connection with the run views (requests, errors, tokens, steps, runs) and every query view."""
+    from batchgen.data.fs import Store, filesystem, is_uri
+
     dirs = [str(d).rstrip("/") for d in run_dirs]
     for d in dirs:
         if any(ch in d for ch in "*?["):
             continue
-        if not (Path(d) / "run.json").is_file():
+        store = Store(d)
+        if not store.exists("run.json"):
             raise ReportError(f"{d} is not a run directory (no run.json)")
-        if not any((Path(d) / "_manifests").glob("shard=*.json")):
+        if not any(f.rsplit("/", 1)[-1].startswith("shard=") for f in store.list("_manifests")):
             raise ReportError(f"{d}: no shard is committed yet, so there is nothing to report")
     con = duckdb.connect()
+    # runs on an object store are read through fsspec, registered with DuckDB (no extension to download)
+    for proto in sorted({d.split("://", 1)[0] for d in dirs if is_uri(d)}):
+        con.register_filesystem(filesystem(f"{proto}://{next(d for d in dirs if d.startswith(proto))}")[0])
     if memory_limit:
         con.execute(f"set memory_limit = {_literal(memory_limit)}")
     con.execute(f"set variable runs = [{', '.join(_literal(d) for d in dirs)}]")

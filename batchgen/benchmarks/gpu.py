@@ -1,0 +1,98 @@
+"""The GPU check: a random-init model of Llama-3-8B shape on the device, decoded by the native engine
+at batch 1, 64 and 256; tok/s, ITL p50/p99 and MBU, with the run's conditions.
+
+    bench/gpu.sh                      # CUDA when there is one, else the small shape on CPU
+    python -m batchgen.benchmarks.gpu --shape llama3-8b --device cuda --batches 1,64,256
+
+Prompts are random token ids (the weights know no language), the same for every batch size; every
+request generates --new-tokens tokens (ignore_eos). The KV pool holds every request (no preemption).
+MBU = bytes the steps read (weights + KV, docs/METRICS.md) per second over the probe's peak read
+bandwidth for this device. Figures are one run: print them with their conditions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+
+def run(shape: str, device: str, batches: list[int], prompt_tokens: int, new_tokens: int, compile_: str,
+        log=print) -> list[dict]:
+    from batchgen.config import EngineConfig, SamplingParams
+    from batchgen.engine.native import NativeEngine
+    from batchgen.engine.precision import resolve_dtype
+    from batchgen.metrics.probe import cached_probe
+    from batchgen.model.random_init import SHAPES, IdTokenizer, random_model
+
+    t0 = time.perf_counter()
+    dtype, why = resolve_dtype("auto", device, max(batches))
+    max_len = prompt_tokens + new_tokens + 16
+    model = random_model(shape, getattr(torch, dtype), device, max_positions=max_len)
+    build_s = time.perf_counter() - t0
+    probe = cached_probe(device)
+    peak = probe["peak_read_bytes_per_s"]
+    gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "none"
+    log(f"shape {shape} ({model.weight_bytes / 1e9:.2f} GB of weights, {dtype}: {why}), built on {device} in "
+        f"{build_s:.1f} s; GPU {gpu}; torch {torch.__version__}; probe peak read {peak / 1e9:.0f} GB/s "
+        f"({probe.get('probe_source')}); prompts {prompt_tokens} random tokens, {new_tokens} new tokens each")
+    gen = torch.Generator().manual_seed(0)
+    vocab = SHAPES[shape]["vocab_size"]
+    prompts = torch.randint(1, vocab, (max(batches), prompt_tokens), generator=gen).tolist()
+    rows = []
+    for b in batches:
+        cfg = EngineConfig(max_num_seqs=b, max_model_len=max_len, device=device, kv_cache_tokens=b * max_len,
+                           max_num_batched_tokens=max(4096, 2 * prompt_tokens), compile=compile_,
+                           enable_prefix_caching=False)
+        engine = NativeEngine("<random>", cfg, model=model, tokenizer=IdTokenizer())
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        engine.add("warm-up", prompts[0][:16], SamplingParams(max_tokens=4, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        for i in range(b):
+            engine.add(str(i), prompts[i], params)
+        last, gaps, tokens, nbytes = {}, [], 0, 0
+        t1 = time.perf_counter()
+        while engine.has_unfinished():
+            r = engine.step()
+            tokens += len(r.token_request_ids)
+            nbytes += r.bytes_read
+            for rid in r.token_request_ids:
+                if rid in last:
+                    gaps.append(r.end_t - last[rid])
+                last[rid] = r.end_t
+        seconds = time.perf_counter() - t1
+        g = torch.tensor(gaps, dtype=torch.float64)
+        c = engine.conditions()
+        row = {"batch": b, "tok_per_s": tokens / seconds, "itl_p50_ms": 1000 * g.quantile(0.5).item(),
+               "itl_p99_ms": 1000 * g.quantile(0.99).item(), "mbu": nbytes / seconds / peak, "seconds": seconds,
+               "compile": c["compile"], "compile_s": c["compile_s"], "attention": c["attention_backend"],
+               "kv_cache_gb": c["kv_cache_bytes"] / 1e9}
+        rows.append(row)
+        log(f"batch {b:>4}: {row['tok_per_s']:9.1f} tok/s  ITL p50 {row['itl_p50_ms']:7.2f} ms  p99 "
+            f"{row['itl_p99_ms']:7.2f} ms  MBU {row['mbu']:.2f}  ({seconds:.1f} s; compile {row['compile']} "
+            f"{row['compile_s'] or 0:.1f} s; attention {row['attention']}; KV {row['kv_cache_gb']:.2f} GB)")
+        del engine
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batches", default="1,64,256")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    a = p.parse_args(argv)
+    print(f"batchgen GPU check, {time.strftime('%Y-%m-%d %H:%M:%S')}, host {os.uname().nodename}")
+    run(a.shape, a.device, [int(b) for b in a.batches.split(",")], a.prompt_tokens, a.new_tokens, a.compile)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
