@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from pydantic import Field
 
+from batchgen.data.fs import Store, is_uri, join
 from batchgen.data.reader import PromptDataset
 from batchgen.runner import generate as run_generate
 from batchgen.report.build import build_report
@@ -25,20 +27,24 @@ def sweep(settings: GenerateSettings, max_num_seqs: Annotated[list[int], Field(m
     """Run one sample at several batch widths and report throughput against latency, to pick max_num_seqs."""
     logger = get_run_logger()
     base = settings.run_id or "sweep"
-    root = Path(settings.output) / base
-    root.mkdir(parents=True, exist_ok=True)
-    sample = root / "sample.parquet"
-    if not sample.exists():
+    root = join(settings.output, base)  # a local directory or an object-store prefix
+    store = Store(root)
+    store.makedirs()
+    if not store.exists("sample.parquet"):
         shard = PromptDataset(settings.input).read_shard(0, sample_rows)  # the first rows, deterministic
-        pq.write_table(shard.table, sample)
+        buf = pa.BufferOutputStream()
+        pq.write_table(shard.table, buf)
+        store.write("sample.parquet", buf.getvalue().to_pybytes())
     run_dirs = []
     for width in sorted(set(max_num_seqs)):
-        s = settings.model_copy(update={"input": [str(sample)], "output": str(root), "run_id": f"{base}-mns{width}",
+        s = settings.model_copy(update={"input": [store.path("sample.parquet")], "output": root,
+                                        "run_id": f"{base}-mns{width}",
                                         "max_num_seqs": width, "progress": False})
         summary = run_generate(s.to_run_config())
         logger.info("max_num_seqs=%s: %s", width, summary)
         run_dirs.append(summary.run_dir)
-    results = build_report(run_dirs, root / "report")
+    report_dir = Path(f"report-{base}") if is_uri(root) else Path(root) / "report"  # the report is local files
+    results = build_report(run_dirs, report_dir)
     rows = sorted(headline_rows(results), key=lambda r: r["max_num_seqs"] or 0)
     create_table_artifact(rows, key=SWEEP_KEY, description="throughput against latency by max_num_seqs")
-    return {"report": str(root / "report"), "curve": rows}
+    return {"report": str(report_dir), "curve": rows}

@@ -65,6 +65,8 @@ class _StepStats:
         self.prefix_queries = 0  # tokens looked up in vLLM's prefix cache
         self.prefix_hits = 0
         self.kv_usage = None  # fraction of the KV pool in use
+        self.num_draft_tokens = 0  # speculative decoding: drafted, and accepted by the target model
+        self.num_accepted_tokens = 0
 
 
 def _stat_logger_factory(holder: _StepStats):
@@ -83,6 +85,10 @@ def _stat_logger_factory(holder: _StepStats):
                 if prefix is not None:
                     holder.prefix_queries += getattr(prefix, "queries", 0)
                     holder.prefix_hits += getattr(prefix, "hits", 0)
+                spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+                if spec is not None:
+                    holder.num_draft_tokens += spec.num_draft_tokens
+                    holder.num_accepted_tokens += spec.num_accepted_tokens
             if iteration_stats is not None:
                 holder.num_prompt_tokens += iteration_stats.num_prompt_tokens
                 holder.num_generation_tokens += iteration_stats.num_generation_tokens
@@ -272,7 +278,8 @@ class VllmEngine(Engine):
     def step(self) -> StepResult:
         stats = self._stats
         prompt_before, gen_before = stats.num_prompt_tokens, stats.num_generation_tokens
-        before = (stats.num_preempted, stats.prefix_queries, stats.prefix_hits)
+        before = (stats.num_preempted, stats.prefix_queries, stats.prefix_hits, stats.num_draft_tokens,
+                  stats.num_accepted_tokens)
         start_t = self.clock()
         if self._core_dead():
             raise EngineDied("vLLM's engine core died; the shard fails and is redone on retry or resume")
@@ -327,6 +334,8 @@ class VllmEngine(Engine):
         res.num_preempted = stats.num_preempted - before[0]
         res.num_lookup_tokens = stats.prefix_queries - before[1]
         res.num_cached_tokens = stats.prefix_hits - before[2]
+        res.num_draft_tokens = stats.num_draft_tokens - before[3]
+        res.num_accepted_tokens = stats.num_accepted_tokens - before[4]
         res.bytes_read = (self.weight_bytes if num_tokens or res.num_prefill_tokens else 0) + \
             num_tokens * self.row_embed_bytes + self.kv_bytes_per_token * res.sum_context_len
         return res

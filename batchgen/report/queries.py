@@ -11,7 +11,17 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-SQL_DIR = Path(__file__).resolve().parents[2] / "sql"
+def _sql_dir() -> Path:
+    """sql/ of a checkout, else the copy installed inside the package (batchgen.sql)."""
+    here = Path(__file__).resolve().parents[2] / "sql"
+    if here.is_dir():
+        return here
+    from importlib.resources import files
+
+    return Path(str(files("batchgen.sql")))
+
+
+SQL_DIR = _sql_dir()
 # in dependency order
 QUERIES = ("run_status", "run_conditions", "throughput", "request_latency", "itl_by_context_concurrency", "itl_by_concurrency",
            "itl_per_step", "kv_cache",
