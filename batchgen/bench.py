@@ -7,7 +7,8 @@ mode (greedy; sampled at T 0.7, top-p 0.95), every engine generates `--new-token
 (ignore_eos) from the same chat-templated prompts: real instructions of mixed length, 40 to 256
 tokens (Stanford Alpaca's 175 seed tasks, CC BY-NC, shipped in batchgen/benchmarks/data). It prints tok/s, ITL
 p50/p95/p99 (per-token gaps after the first, pooled), MBU (bytes read per second over the peak the
-hardware probe measured) and the ratio to the best peer in the same row group. The native engine
+hardware probe measured; over the whole run, and over the decode-only steps, which are the
+memory-bound part) and the ratio to the best peer in the same row group. The native engine
 runs in fp32 and, as `native:auto`, in the dtype `--dtype auto` picks, with its greedy agreement
 with fp32 (share of tokens before each row's first divergence). A speculative-decoding section
 runs n-gram speculation on and off on a workload that copies from its prompt and on an open-ended
@@ -53,7 +54,8 @@ class Measurement:
     itl_p50_s: float | None = None
     itl_p95_s: float | None = None
     itl_p99_s: float | None = None
-    mbu: float | None = None
+    mbu: float | None = None  # over the whole run, prefill included
+    decode_mbu: float | None = None  # over the steps that only decode (the memory-bound part)
     vs_best_peer: float | None = None  # this engine's tok/s over the best other engine's, same batch and mode
     agreement_fp32: float | None = None  # greedy tokens before the first divergence from native fp32
     acceptance_rate: float | None = None
@@ -89,7 +91,8 @@ def _percentiles(gaps: list[float]) -> dict[str, float | None]:
 def run_engine(engine, prompt_ids: list[list[int]], batch: int, params: SamplingParams, peak_bw: float | None,
                tag: str) -> dict:
     """Feed `batch` prompts at a time, step to the end; tokens, seconds, ITL gaps, MBU, drafts."""
-    tokens = bytes_read = drafts = accepted = 0
+    tokens = bytes_read = drafts = accepted = dec_bytes = 0
+    dec_s = 0.0
     gaps: list[float] = []
     outputs: dict[int, list[int]] = {}
     seconds = 0.0
@@ -102,6 +105,9 @@ def run_engine(engine, prompt_ids: list[list[int]], batch: int, params: Sampling
             r = engine.step()
             tokens += len(r.token_request_ids)
             bytes_read += r.bytes_read or 0
+            if not r.num_prefill_tokens and r.token_request_ids:
+                dec_bytes += r.bytes_read or 0
+                dec_s += r.end_t - r.start_t
             drafts += r.num_draft_tokens
             accepted += r.num_accepted_tokens
             for rid in r.token_request_ids:
@@ -113,6 +119,7 @@ def run_engine(engine, prompt_ids: list[list[int]], batch: int, params: Sampling
         seconds += time.perf_counter() - t0
     return {"tokens": tokens, "seconds": seconds, **_percentiles(gaps),
             "mbu": bytes_read / seconds / peak_bw if peak_bw and seconds else None,
+            "decode_mbu": dec_bytes / dec_s / peak_bw if peak_bw and dec_s else None,
             "acceptance_rate": accepted / drafts if drafts else None,
             "outputs": [outputs[i] for i in sorted(outputs)]}
 
@@ -324,12 +331,13 @@ def format_bench(results: list[Measurement], conditions: dict) -> str:
              f"prompt, {c['cpu']} ({c['cores']} cores, torch threads {c['torch_threads']}), probe peak read "
              f"{(c['peak_read_bytes_per_s'] or 0) / 1e9:.1f} GB/s; {c['packages']}",
              "", f"{'engine':<12} {'dtype':<9} {'batch':>5} {'mode':<8} {'tok/s':>8} {'vs best peer':>12} "
-                 f"{'ITL p50 ms':>10} {'p95':>7} {'p99':>7} {'MBU':>5} {'agree fp32':>10}"]
+                 f"{'ITL p50 ms':>10} {'p95':>7} {'p99':>7} {'MBU':>5} {'dec MBU':>7} {'agree fp32':>10}"]
     for m in (r for r in results if r.section == "grid"):
         ms = lambda v: _fmt(None if v is None else 1000 * v, ".1f")  # noqa: E731
         lines.append(f"{m.engine:<12} {m.dtype:<9} {m.batch:>5} {m.mode:<8} {m.tok_per_s:>8.1f} "
-                     f"{_fmt(m.vs_best_peer, '.2f') + 'x':>12} {ms(m.itl_p50_s):>10} {ms(m.itl_p95_s):>7} "
-                     f"{ms(m.itl_p99_s):>7} {_fmt(m.mbu, '.2f'):>5} {_fmt(m.agreement_fp32, '.2f'):>10}")
+                     f"{_fmt(m.vs_best_peer, '.2f') + ('x' if m.vs_best_peer else ''):>12} {ms(m.itl_p50_s):>10} {ms(m.itl_p95_s):>7} "
+                     f"{ms(m.itl_p99_s):>7} {_fmt(m.mbu, '.2f'):>5} {_fmt(m.decode_mbu, '.2f'):>7} "
+                     f"{_fmt(m.agreement_fp32, '.2f'):>10}")
     spec = [r for r in results if r.section == "speculative"]
     if spec:
         lines += ["", f"speculative decoding (n-gram), greedy, batch {spec[0].batch}: "
@@ -358,8 +366,9 @@ def targets(results: list[Measurement]) -> list[str]:
         r = auto.tok_per_s / hf.tok_per_s
         out.append(f"  batch 64 best dtype ({auto.dtype}) / HF fp32: {r:.2f}x (target 2x) {'met' if r >= 2 else 'MISSED'}")
     one = get("native", 1, "greedy")
-    if one and one.mbu is not None:
-        out.append(f"  batch 1 fp32 MBU: {one.mbu:.2f} (target 0.60) {'met' if one.mbu >= 0.6 else 'MISSED'}")
+    if one and one.decode_mbu is not None:
+        out.append(f"  batch 1 fp32 MBU of the decode steps: {one.decode_mbu:.2f} (target 0.60) "
+                   f"{'met' if one.decode_mbu >= 0.6 else 'MISSED'} (whole run, prefill included: {one.mbu:.2f})")
     for b in sorted({m.batch for m in results if m.section == "grid"}):
         g, s = get("native", b, "greedy"), get("native", b, "sampled")
         if g and s:
