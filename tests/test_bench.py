@@ -1,0 +1,30 @@
+"""`batchgen bench` end to end on the tiny model: every engine measured in one run, ratios and the
+Parquet of results. (Speeds are printed, never asserted.)"""
+
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.bench import format_bench, run_bench, write_parquet
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, tiny_model_dir):
+    results, conditions = run_bench(tiny_model_dir, ["native", "hf"], [1, 2], ["greedy", "sampled"], new_tokens=4,
+                                    speculative_k=2, spec_batch=2, log=lambda *_: None)
+    grid = [m for m in results if m.section == "grid"]
+    assert {(m.engine, m.batch, m.mode) for m in grid} == {
+        (e, b, mode) for e in ("native", "native:auto", "hf") for b in (1, 2) for mode in ("greedy", "sampled")}
+    for m in grid:
+        assert m.tokens == m.prompts * 4 and m.seconds > 0  # ignore_eos: every prompt its 4 tokens
+        assert m.itl_p50_s <= m.itl_p99_s and m.mbu > 0 and m.vs_best_peer > 0
+    auto = [m for m in grid if m.engine == "native:auto" and m.mode == "greedy"]
+    assert all(0 <= m.agreement_fp32 <= 1 for m in auto)
+    spec = [m for m in results if m.section == "speculative"]
+    assert {(m.workload, m.speculative_k) for m in spec} == {("copy", 0), ("copy", 2), ("open", 0), ("open", 2)}
+    assert all(m.identical_to_off for m in spec if m.speculative_k)  # speculation never changes the output
+    text = format_bench(results, conditions)
+    assert "targets (this run):" in text and "vs best peer" in text and conditions["cores"] >= 1
+    table = pq.read_table(write_parquet(results, conditions, tmp_path / "bench.parquet"))
+    assert table.num_rows == len(results) and {"tok_per_s", "itl_p99_s", "decode_mbu", "conditions"} <= set(
+        table.column_names)
