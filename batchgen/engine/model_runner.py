@@ -27,7 +27,6 @@ class ModelRunner:
         self.constraints = constraints  # batchgen.engine.structured.GrammarConstraints: masks constrained rows
         self.num_computed_positions = 0  # positions run through the model (the lab's count)
         self.num_exact_fallbacks = 0  # sampled rows whose top-p set reached past the candidates
-        self._offsets: list[int] = []  # per logits row of the current step: its position past the newest token
 
     def execute(self, chunks: list[Chunk]) -> tuple[list[int], list[tuple[float, list] | None] | None]:
         """Run the step. Returns the sampled tokens of each chunk that reaches its request's end, in
@@ -36,7 +35,7 @@ class ModelRunner:
         # one logits row per sampled position: (request, its offset past the request's newest token)
         rows = [(c.request, j) for c in chunks for j in range(c.num_sampled)]
         sampling = [r for r, _ in rows]
-        self._offsets = [j for _, j in rows]  # the noise counter of a draft position runs ahead
+        offsets = [j for _, j in rows]  # the noise counter of a draft position runs ahead
         if self.kv is None:  # without a cache only the chunks that sample need a pass (the lab's baseline)
             if not sampling:
                 return [], None
@@ -51,17 +50,17 @@ class ModelRunner:
         if self.constraints is not None and self.constraints.matchers:
             masked = logits.clone()  # a copy: logprobs stay those of the raw distribution
             self.constraints.mask(masked, [r.request_id for r in sampling])
-        tokens, short = self._sample(masked, sampling)
+        tokens, short = self._sample(masked, sampling, offsets)
         wants = [r.sampling.logprobs for r in sampling]
         if all(k is None for k in wants):
             toks = tokens.tolist()  # the one host sync
             if short is not None and -1 in toks:  # a flat distribution reached past the candidates
-                toks = self._exact(masked, sampling, toks)
+                toks = self._exact(masked, sampling, offsets, toks)
             return toks, None
         if short is not None:  # logprobs gather at the chosen tokens: resolve flagged rows first
             toks = tokens.tolist()
             if -1 in toks:
-                tokens = torch.tensor(self._exact(masked, sampling, toks), device=tokens.device)
+                tokens = torch.tensor(self._exact(masked, sampling, offsets, toks), device=tokens.device)
         return self._with_logprobs(logits, tokens, wants)
 
     @staticmethod
@@ -135,7 +134,8 @@ class ModelRunner:
 
     # ---- sampling ----------------------------------------------------------------------------------
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request],
+                offsets: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Tokens [R], with -1 at rows the sampler flagged for its exact path (see `_exact`)."""
         sp = [r.sampling for r in reqs]
         if all(s.greedy for s in sp):
@@ -143,7 +143,7 @@ class ModelRunner:
         sampled = [s for s in sp if not s.greedy]
         use_top = any(s.top_k > 0 or s.top_p < 1.0 for s in sampled)
         any_plain = any(s.top_k <= 0 and s.top_p >= 1.0 for s in sampled)
-        tokens, short = self.sampler.sample(logits, *self._sampling_tensors(reqs, self._offsets), all_greedy=False,
+        tokens, short = self.sampler.sample(logits, *self._sampling_tensors(reqs, offsets), all_greedy=False,
                                             use_top=use_top, any_plain=any_plain,
                                             max_top_k=max(s.top_k for s in sampled),
                                             any_greedy=len(sampled) < len(sp))
@@ -158,11 +158,11 @@ class ModelRunner:
                 torch.tensor([len(r.output_token_ids) + j for r, j in zip(reqs, offsets)], dtype=torch.int64,
                              device=dev))  # the counter: the index of the token being drawn
 
-    def _exact(self, logits: torch.Tensor, reqs: list[Request], toks: list[int]) -> list[int]:
+    def _exact(self, logits: torch.Tensor, reqs: list[Request], offsets: list[int], toks: list[int]) -> list[int]:
         """Redo the flagged rows (-1) over the whole sorted vocabulary: a second sync, rare."""
         rows = [i for i, t in enumerate(toks) if t == -1]
         fixed = self.sampler.exact(logits[rows], *self._sampling_tensors([reqs[i] for i in rows],
-                                                                         [self._offsets[i] for i in rows])).tolist()
+                                                                         [offsets[i] for i in rows])).tolist()
         out = list(toks)
         for i, t in zip(rows, fixed):
             out[i] = t
