@@ -16,10 +16,9 @@ What the commit protocol (batchgen.data.run) needs from storage, and how each ki
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
-from batchgen.data.storage import durable_write, sha256_file
+from batchgen.data.storage import durable_write, fsync_dir, sha256_file
 
 
 def is_uri(location: str | Path) -> bool:
@@ -129,6 +128,7 @@ class Store:
             p = self.root / rel
             if not p.parent.is_dir():
                 p.parent.mkdir(parents=True, exist_ok=True)
+                fsync_dir(p.parent.parent)  # the new directory's own entry must survive a power cut too
             durable_write(p, data, atomic=atomic)
         else:
             self.fs.pipe_file(self._key(rel), data)
@@ -210,8 +210,3 @@ class Store:
                 raise PreconditionFailed(rel) from None
             raise
         self.fs.invalidate_cache(self._key(rel))
-
-
-def local_path(location: str | Path) -> str:
-    """A local location as an absolute path (URIs unchanged): what identities and messages record."""
-    return str(location) if is_uri(location) else os.path.abspath(location)
