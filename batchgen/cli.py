@@ -49,7 +49,8 @@ def cmd_report(args) -> int:
     if args.out is None and len(args.run_dirs) != 1:
         raise ValueError("several runs: say where the report goes with --out DIR")
     out = Path(args.out) if args.out else default_report_dir(args.run_dirs[0])
-    results = build_report(args.run_dirs, out, window_s=args.window_s, memory_limit=args.memory_limit)
+    results = build_report(args.run_dirs, out, window_s=args.window_s, memory_limit=args.memory_limit,
+                           price_per_hour=args.price_per_hour)
     print(headline_text(results))
     print(f"\nreport: {out / 'report.html'} (+ one Parquet and CSV file per query in {out})")
     return 0
@@ -98,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", help="output directory (default RUN_DIR/report for one run)")
     rep.add_argument("--window-s", type=float, help="window of the tok/s-over-time table (default 1 s)")
     rep.add_argument("--memory-limit", help="DuckDB memory limit, e.g. 4GB")
+    rep.add_argument("--price-per-hour", type=float, metavar="PRICE",
+                     help="what the machine costs per hour (any currency): adds cost per million output tokens")
     bench = sub.add_parser("bench", help="engines side by side on the held prompts, in one run (the judge)")
     bench.add_argument("--engines", default="native,vllm,hf", help="comma-separated: native, vllm, hf")
     bench.add_argument("--batches", default="1,8,64,256", help="requests in flight, comma-separated")

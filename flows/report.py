@@ -45,11 +45,12 @@ def _r(v):
 
 
 @flow(name="batchgen-report")
-def report(run_dirs: list[str], out_dir: str | None = None, window_s: float | None = None) -> dict[str, Any]:
+def report(run_dirs: list[str], out_dir: str | None = None, window_s: float | None = None,
+           price_per_hour: float | None = None) -> dict[str, Any]:
     """Run the DuckDB reports over one or more run directories and publish headline artifacts."""
     logger = get_run_logger()
     out = Path(out_dir) if out_dir else default_report_dir(run_dirs[0])
-    results = build_report(run_dirs, out, window_s=window_s)
+    results = build_report(run_dirs, out, window_s=window_s, price_per_hour=price_per_hour)
     rows = headline_rows(results)
     create_table_artifact(rows, key=HEADLINE_KEY, description="batchgen headline figures with run conditions")
     latency = format_table(results["request_latency"]).replace("\n", "\n    ")

@@ -34,8 +34,11 @@ select regexp_extract(filename, '([^/]+)/steps/shard=', 1) as run_id, * exclude 
 from read_parquet(list_filter(getvariable('committed_files'), lambda p: p like '%/steps/shard=%'),
                   hive_partitioning = true, filename = true, union_by_name = true);
 
--- run.json as one json document per run
+-- run.json as one json document per run; run_order is the run's place in the list given (the first is
+-- the baseline that run_delta compares against), null for a run matched by a glob
 create or replace view runs as
-select regexp_extract(filename, '([^/]+)/run.json', 1) as run_id, json as doc
+select regexp_extract(filename, '([^/]+)/run.json', 1) as run_id,
+       list_position(getvariable('runs'), regexp_replace(filename, '/run.json$', '')) as run_order,
+       json as doc
 from read_json_objects(list_transform(getvariable('runs'), lambda d: d || '/run.json'), filename = true,
                        maximum_object_size = 1000000000);

@@ -91,6 +91,19 @@ def write_prompts(path: Path, prompts: list, ids: list | None = None, **extra_co
     return path
 
 
+def make_run(root, model, run_id, max_num_seqs, max_tokens="6", n=9):
+    """A small run of the CLI: n prompts of growing length, one of them capped at a single token."""
+    prompts = [("word " * (3 + 5 * i)).strip() for i in range(n)]
+    inp = write_prompts(root / f"{run_id}.parquet", prompts, ids=[f"q{i}" for i in range(n)],
+                        max_tokens=[1 if i == 4 else None for i in range(n)])
+    from batchgen.cli import main
+
+    assert main(["generate", "--input", str(inp), "--output", str(root), "--run-id", run_id, "--model", str(model),
+                 "--max-tokens", max_tokens, "--max-model-len", "128", "--max-num-seqs", str(max_num_seqs),
+                 "--shard-size", "5", "--no-progress", "--ignore-eos"]) == 0
+    return root / run_id
+
+
 @pytest.fixture
 def seed_prompts() -> Path:
     return TEST_DATA / "alpaca_seed_prompts.parquet"
@@ -168,3 +181,58 @@ def upload(local: Path, uri: str) -> str:
     fs, path = filesystem(uri)
     fs.put_file(str(local), path)
     return uri
+
+
+# ---- a real browser -----------------------------------------------------------------------------
+# Debian's `chromium`, driven by Playwright's Python client (no browser download: executable_path).
+# On a developer's machine without it the browser tests skip with the reason; CI sets
+# BATCHGEN_REQUIRE_BROWSER=1, which turns that skip into a failure.
+def find_chromium() -> str | None:
+    import os
+
+    for name in (os.environ.get("BATCHGEN_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+@pytest.fixture(scope="module")  # not longer: Playwright's sync API holds an event loop open on this thread
+def chromium():
+    import os
+
+    reason = None
+    exe = find_chromium()
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        reason = "the playwright package is not installed (pip install -e '.[dev]')"
+    if exe is None:
+        reason = reason or "no chromium on PATH (Debian: apt-get install chromium; or set BATCHGEN_CHROMIUM)"
+    if reason:
+        if os.environ.get("BATCHGEN_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"BATCHGEN_REQUIRE_BROWSER=1 but {reason}")
+        pytest.skip(reason)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox", "--disable-dev-shm-usage"])
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+class PageWatch:
+    """A page that records its console errors, uncaught exceptions and failed requests."""
+
+    def __init__(self, page):
+        self.page, self.errors, self.failed = page, [], []
+        page.on("console", lambda m: self.errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+        page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
+        page.on("requestfailed", lambda r: self.failed.append(f"{r.url}: {r.failure}"))
+
+
+def screenshot_dir() -> Path | None:
+    """BATCHGEN_SCREENSHOTS=docs makes the browser tests save the README's pictures there."""
+    import os
+
+    d = os.environ.get("BATCHGEN_SCREENSHOTS")
+    return Path(d) if d else None

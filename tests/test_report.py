@@ -11,17 +11,7 @@ from batchgen.cli import main
 from batchgen.report.build import build_report
 from batchgen.report.queries import QUERIES, ReportError, connect, run_query
 
-from conftest import read_run_table, write_prompts
-
-
-def make_run(root, model, run_id, max_num_seqs, max_tokens="6", n=9):
-    prompts = [("word " * (3 + 5 * i)).strip() for i in range(n)]
-    inp = write_prompts(root / f"{run_id}.parquet", prompts, ids=[f"q{i}" for i in range(n)],
-                        max_tokens=[1 if i == 4 else None for i in range(n)])
-    assert main(["generate", "--input", str(inp), "--output", str(root), "--run-id", run_id, "--model", str(model),
-                 "--max-tokens", max_tokens, "--max-model-len", "128", "--max-num-seqs", str(max_num_seqs),
-                 "--shard-size", "5", "--no-progress", "--ignore-eos"]) == 0
-    return root / run_id
+from conftest import make_run, read_run_table, write_prompts
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +138,19 @@ def test_report_cli_writes_tables_and_an_offline_html(runs, tmp_path, capsys):
     for name in QUERIES:
         assert (out / f"{name}.parquet").is_file() and (out / f"{name}.csv").is_file()
     page = (out / "report.html").read_text()
-    assert page.count("<svg") == 5 and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
-    assert page.count("Run conditions —") == page.count("<section>")  # every chart and table is captioned
+    # one inlined Plotly bundle, nothing fetched: no script or stylesheet from anywhere
+    assert page.count("<script>") == 2 and "<script src" not in page and "<link" not in page
+    assert page.count("Plotly.newPlot") == 1 and page.count("<div class=chart") == len(build_charts_for(out))
+    # every chart and table is captioned with its conditions (the conditions table is the conditions)
+    assert page.count("Run conditions —") == page.count("<section>") - 2  # less the headline and conditions
+
+
+def build_charts_for(out):
+    import pyarrow.parquet as pq
+
+    from batchgen.report.charts import build_charts
+
+    return build_charts({name: pq.read_table(out / f"{name}.parquet") for name in QUERIES if name != "step_timeline"})
 
 
 def test_not_a_run_directory(tmp_path):
@@ -185,3 +186,95 @@ def test_kv_cache_query_sums_the_steps(tmp_path, tiny_model_dir):
     assert row["prefix_cached_tokens"] == sum(s["num_cached_tokens"] for s in steps) > 0  # the shared system prompt
     assert row["prefix_hit_rate"] == pytest.approx(row["prefix_cached_tokens"] / sum(s["num_lookup_tokens"] for s in steps))
     assert row["peak_kv_blocks_used"] == max(s["kv_blocks_used"] for s in steps) <= row["kv_blocks_total"] == 12
+
+
+def test_pooled_itl_matches_numpy(runs):
+    rows = by(run_query(connect(list(runs)), "itl_overall").to_pylist(), "run_id")
+    for run in runs:
+        vals = [t["itl_s"] for t in table(run, "tokens") if t["itl_s"] is not None]
+        row = rows[(run.name,)]
+        assert row["n"] == len(vals) and row["max_s"] == pytest.approx(max(vals))
+        for q, col in ((0.5, "p50_s"), (0.9, "p90_s"), (0.95, "p95_s"), (0.99, "p99_s")):
+            assert row[col] == pytest.approx(pct(vals, q))
+
+
+def test_step_windows_aggregate_min_max_and_sums_never_thin(runs):
+    run = runs[0]
+    con = connect([run])
+    steps = sorted(table(run, "steps"), key=lambda s: (s["start_t"], s["step_id"]))
+    one_each = run_query(con, "step_windows").to_pylist()
+    assert len(one_each) == len(steps) and all(w["steps"] == 1 for w in one_each)  # under 1000 steps: every step
+    con.execute("set variable step_windows = 7")
+    windows = run_query(con, "step_windows").to_pylist()
+    groups = defaultdict(list)
+    for i, s in enumerate(steps):
+        groups[i * 7 // len(steps)].append(s)
+    assert [w["window_index"] for w in windows] == sorted(groups) and len(windows) == 7
+    for w in windows:
+        g = groups[w["window_index"]]
+        step_s = [s["end_t"] - s["start_t"] for s in g]
+        assert w["steps"] == len(g) and w["start_t"] == g[0]["start_t"]
+        assert (w["min_running"], w["max_running"]) == (min(s["num_running"] for s in g),
+                                                        max(s["num_running"] for s in g))
+        assert w["max_step_s"] == pytest.approx(max(step_s)) and w["min_step_s"] == pytest.approx(min(step_s))
+        for col, src in (("prefill_tokens", "num_prefill_tokens"), ("decode_tokens", "num_decode_tokens"),
+                         ("preemptions", "num_preempted"), ("prefix_cached_tokens", "num_cached_tokens")):
+            assert w[col] == sum(s[src] for s in g)
+    assert sum(w["steps"] for w in windows) == len(steps)
+
+
+def test_frontier_marks_the_runs_nothing_beats(runs):
+    con = connect(list(runs))
+    rows = run_query(con, "latency_frontier").to_pylist()
+    tp = {r["run_id"]: r["output_tok_per_s"] for r in run_query(con, "throughput").to_pylist()}
+    p99 = {r["run_id"]: r["p99_s"] for r in run_query(con, "itl_overall").to_pylist()}
+    assert [r["max_num_seqs"] for r in rows] == sorted(r["max_num_seqs"] for r in rows)
+    for r in rows:
+        assert r["output_tok_per_s"] == pytest.approx(tp[r["run_id"]]) and r["itl_p99_s"] == pytest.approx(p99[r["run_id"]])
+        beaten = any(tp[o] >= tp[r["run_id"]] and p99[o] <= p99[r["run_id"]]
+                     and (tp[o] > tp[r["run_id"]] or p99[o] < p99[r["run_id"]]) for o in tp if o != r["run_id"])
+        assert r["on_frontier"] == (not beaten)
+    assert any(r["on_frontier"] for r in rows)
+
+
+def test_run_delta_against_the_first_run_given(runs):
+    for order in (list(runs), list(reversed(runs))):
+        con = connect(order)
+        cmp = by(run_query(con, "run_comparison").to_pylist(), "run_id")
+        base = order[0].name
+        rows = run_query(con, "run_delta").to_pylist()
+        assert {r["baseline_run_id"] for r in rows} == {base}
+        assert len(rows) == 8 * len(order)
+        for r in rows:
+            value, ref = cmp[(r["run_id"],)][r["metric"]], cmp[(base,)][r["metric"]]
+            assert r["value"] == pytest.approx(value) and r["delta"] == pytest.approx(value - ref)
+            assert r["delta_pct"] == pytest.approx((value - ref) / ref)
+        assert by(rows, "run_id", "metric")[(base, "output_tok_per_s")]["delta"] == 0
+
+
+def test_conditions_diff_flags_exactly_what_differs(runs):
+    con = connect(list(runs))
+    cond = {r["run_id"]: r for r in run_query(con, "run_conditions").to_pylist()}
+    rows = run_query(con, "run_conditions_diff").to_pylist()
+    flagged = {r["condition"] for r in rows if r["differs"]}
+    expected = {k for k in cond["a"] if k != "run_id" and str(cond["a"][k]) != str(cond["b"][k])}
+    assert flagged == expected and "max_num_seqs" in flagged and "engine" not in flagged
+    assert {r["condition"] for r in rows} == set(cond["a"]) - {"run_id"}
+
+
+def test_cost_per_million_tokens_from_the_attempts(runs, tmp_path):
+    run = runs[0]
+    doc = json.loads((run / "run.json").read_text())
+    machine_s = sum(a["ended_wall"] - a["started_wall"] for a in doc["attempts"])
+    (tp,) = run_query(connect([run]), "throughput").to_pylist()
+    (free,) = run_query(connect([run]), "cost").to_pylist()
+    assert free["cost"] is None and free["cost_per_million_output_tokens"] is None
+    assert free["machine_s"] == pytest.approx(machine_s) and free["output_tokens"] == tp["output_tokens"]
+    (paid,) = run_query(connect([run], price_per_hour=2.5), "cost").to_pylist()
+    assert paid["cost"] == pytest.approx(2.5 * machine_s / 3600)
+    assert paid["cost_per_million_output_tokens"] == pytest.approx(2.5 * machine_s / 3600 / tp["output_tokens"] * 1e6)
+    assert paid["generation_cost_per_million_output_tokens"] == pytest.approx(
+        2.5 * tp["window_s"] / 3600 / tp["output_tokens"] * 1e6)
+    with pytest.raises(ReportError, match="price-per-hour"):
+        connect([run], price_per_hour=-1)
+    assert main(["report", str(run), "--out", str(tmp_path / "r"), "--price-per-hour", "2.5"]) == 0

@@ -19,8 +19,8 @@ def default_report_dir(run_dir: str | Path) -> Path:
 
 
 def build_report(run_dirs: list[str | Path], out_dir: str | Path, window_s: float | None = None,
-                 memory_limit: str | None = None) -> dict[str, pa.Table]:
-    con = connect(run_dirs, window_s=window_s, memory_limit=memory_limit)
+                 memory_limit: str | None = None, price_per_hour: float | None = None) -> dict[str, pa.Table]:
+    con = connect(run_dirs, window_s=window_s, memory_limit=memory_limit, price_per_hour=price_per_hour)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -55,10 +55,14 @@ HEADLINES = (
                                   "output_tok_per_s", "total_tok_per_s", "requests_per_s"]),
     ("Request latency (s)", "request_latency", ["run_id", "metric", "n", "mean_s", "p50_s", "p90_s", "p95_s",
                                                 "p99_s", "max_s"]),
+    ("ITL pooled over all tokens (s)", "itl_overall", ["run_id", "n", "mean_s", "p50_s", "p90_s", "p95_s", "p99_s",
+                                                       "max_s"]),
     ("ITL by concurrency (s, pooled over tokens)", "itl_by_concurrency",
      ["run_id", "concurrency_lo", "concurrency_hi", "n", "mean_s", "p50_s", "p95_s", "p99_s"]),
     ("KV cache", "kv_cache", ["run_id", "num_preemptions", "requests_preempted", "prefix_hit_rate",
                               "prefill_tokens_computed", "peak_running", "peak_kv_usage"]),
+    ("What the runs took", "cost", ["run_id", "attempts", "machine_s", "window_s", "output_tokens", "price_per_hour",
+                                    "cost", "cost_per_million_output_tokens"]),
     ("Run conditions", "run_conditions", ["run_id", "engine", "model", "dtype", "max_num_seqs", "max_model_len",
                                           "temperature", "device_name", "cpu_cores", "peak_read_bytes_per_s"]),
 )

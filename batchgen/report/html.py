@@ -1,21 +1,24 @@
-"""The self-contained HTML report: tables and inline-SVG charts, each captioned with its run conditions."""
+"""The self-contained HTML report: Plotly charts (charts.py) and tables, each captioned with its run conditions.
+
+One file with everything inlined (Plotly's JS included), so it opens offline and can be mailed or
+kept beside the run."""
 
 from __future__ import annotations
 
 import html
 import time
 from collections import defaultdict
+from typing import Any
 
 import pyarrow as pa
 
-from batchgen.report.svg import box_chart, line_chart
+from batchgen.report.charts import Chart, build_charts
 
 METRIC_NOTE = ("Definitions: docs/METRICS.md in batchgen. TTFT includes queueing. TPOT = (last − first token time) / "
                "(n_out − 1), vLLM bench's TPOT (genai-perf's ITL). ITL = gaps between a request's consecutive "
                "tokens, pooled over tokens (vLLM bench's ITL). Percentiles are exact (DuckDB quantile_cont).")
 CONDITION_KEYS = ("engine", "model", "dtype", "quantization", "max_num_seqs", "max_model_len", "kv_budget_tokens",
                   "temperature", "max_tokens", "speculative", "device_name", "cpu_cores", "peak_read_bytes_per_s")
-MAX_POINTS = 1500
 
 
 def _cell(v) -> str:
@@ -49,56 +52,75 @@ def conditions_caption(conditions: pa.Table) -> str:
     return "<p class=cond>Run conditions — " + "<br>".join(lines) + "</p>"
 
 
-def _by_run(t: pa.Table, x: str, y: str) -> dict[str, list[tuple[float, float]]]:
-    series: dict[str, list] = defaultdict(list)
-    for r in t.select(["run_id", x, y]).to_pylist():
-        series[r["run_id"]].append((float(r[x]), None if r[y] is None else float(r[y])))
-    for k, pts in series.items():  # keep the SVG small on long runs
-        if len(pts) > MAX_POINTS:
-            stride = len(pts) / MAX_POINTS
-            series[k] = [pts[int(i * stride)] for i in range(MAX_POINTS)]
-    return dict(series)
+def conditions_diff_html(t: pa.Table) -> str:
+    """Conditions x runs, the rows where the runs differ highlighted: what makes two figures incomparable."""
+    rows = t.to_pylist()
+    runs = sorted({r["run_id"] for r in rows})
+    cells: dict[str, dict[str, Any]] = defaultdict(dict)
+    differs = {}
+    for r in rows:
+        cells[r["condition"]][r["run_id"]] = r["value"]
+        differs[r["condition"]] = r["differs"]
+    head = "<tr><th>condition</th>" + "".join(f"<th>{html.escape(run)}</th>" for run in runs) + "</tr>"
+    order = sorted(cells, key=lambda c: (not differs[c], c))  # what differs first
+    body = "".join(f"<tr class={'differs' if differs[c] else 'same'}><td>{html.escape(c)}</td>"
+                   + "".join(f"<td>{_cell(cells[c].get(run))}</td>" for run in runs) + "</tr>" for c in order)
+    n = sum(differs.values())
+    note = (f"<p class=note>{n} condition(s) differ between the runs (highlighted).</p>" if len(runs) > 1 else "")
+    return f"{note}<table class=conditions>{head}{body}</table>"
+
+
+def _figure_json(figure: dict[str, Any]) -> str:
+    # go.Figure validates every attribute name against Plotly's schema: a typo fails here, not silently
+    import plotly.graph_objects as go
+    import plotly.io as pio
+
+    return pio.to_json(go.Figure(figure), validate=True).replace("</", "<\\/")
+
+
+def chart_html(chart: Chart, cond: str) -> str:
+    return (f"<section><h2>{html.escape(chart.title)}</h2><p class=note>{html.escape(chart.caption)}</p>"
+            f"<div class=chart id='{chart.key}' data-queries='{' '.join(chart.queries)}'></div>"
+            f"<script type='application/json' id='{chart.key}-spec'>{_figure_json(chart.figure)}</script>"
+            f"{cond}</section>")
+
+
+# draws every chart from its JSON spec; Plotly is inlined once in the page's head
+DRAW = """
+for (const el of document.querySelectorAll('div.chart')) {
+  const spec = JSON.parse(document.getElementById(el.id + '-spec').textContent);
+  Plotly.newPlot(el, spec.data, spec.layout, {responsive: true, displaylogo: false});
+}
+"""
 
 
 def render(results: dict[str, pa.Table], run_dirs: list[str]) -> str:
+    from plotly.offline import get_plotlyjs
+
     cond = conditions_caption(results["run_conditions"])
-    itl = defaultdict(list)
-    for r in results["itl_by_concurrency"].to_pylist():
-        label = str(r["concurrency_lo"]) if r["concurrency_lo"] == r["concurrency_hi"] else \
-            f"{r['concurrency_lo']}–{r['concurrency_hi']}"
-        itl[r["run_id"]].append((label, r["p5_s"] * 1e3, r["p25_s"] * 1e3, r["p50_s"] * 1e3, r["p75_s"] * 1e3,
-                                 r["p95_s"] * 1e3))
-    charts = [
-        ("ITL by concurrency", box_chart(dict(itl), "Inter-token latency by concurrency (box p25–p75, whiskers "
-                                                    "p5–p95)", "concurrent sequences", "ITL (ms)")),
-        ("TTFT CDF", line_chart(_by_run(results["ttft_cdf"], "ttft_s", "fraction"), "TTFT CDF", "TTFT (s)",
-                                "fraction of requests")),
-        ("Throughput over time", line_chart(_by_run(results["throughput_over_time"], "window_start_t",
-                                                    "output_tok_per_s"), "Output tok/s over time",
-                                            "time since run start (s)", "output tok/s")),
-        ("Throughput against batch size", line_chart(_by_run(results["step_time_by_batch"], "num_running",
-                                                             "output_tok_per_s"),
-                                                     "Decode throughput against batch size",
-                                                     "running sequences", "output tok/s", markers=True)),
-        ("MBU over steps", line_chart(_by_run(results["mbu_over_steps"], "start_t", "mbu"),
-                                      "Memory-bandwidth utilisation per step", "time since run start (s)", "MBU")),
-    ]
-    tables = [("Throughput", "throughput"), ("Request latency (s)", "request_latency"),
+    charts = {c.key: c for c in build_charts(results)}
+    tables = [("Throughput", "throughput"), ("ITL pooled over all tokens (s)", "itl_overall"),
+              ("Request latency (s)", "request_latency"),
               ("ITL by context length × concurrency (s)", "itl_by_context_concurrency"),
               ("ITL per step (s; differs from token ITL with speculative decoding)", "itl_per_step"),
               ("Decode step time by batch size", "step_time_by_batch"),
-              ("KV cache: preemptions and prefix-cache hits", "kv_cache"), ("Runs compared", "run_comparison"),
-              ("Run conditions", "run_conditions")]
+              ("KV cache: preemptions and prefix-cache hits", "kv_cache"),
+              ("Cost (set with --price-per-hour)", "cost"), ("Runs compared", "run_comparison"),
+              ("Figures against the baseline run", "run_delta"), ("Throughput against latency", "latency_frontier")]
     banner = "".join(f"<p class=partial>{html.escape(n)}</p>" for n in partial_notes(results))
     body = [f"<h1>batchgen report</h1>{banner}<p class=note>{html.escape(', '.join(run_dirs))} — generated "
             f"{time.strftime('%Y-%m-%d %H:%M:%S')}</p><p class=note>{html.escape(METRIC_NOTE)}</p>"]
-    for title, svg in charts:
-        body.append(f"<section><h2>{html.escape(title)}</h2>{svg}{cond}</section>")
+    body.append(f"<section><h2>Headline</h2>{table_html(results['throughput'])}"
+                f"{table_html(results['itl_overall'])}{table_html(results['cost'])}</section>")
+    body += [chart_html(c, cond) for c in charts.values()]
+    body.append(f"<section><h2>Run conditions</h2>{conditions_diff_html(results['run_conditions_diff'])}</section>")
     for title, name in tables:
         body.append(f"<section><h2>{html.escape(title)}</h2>{table_html(results[name])}{cond}</section>")
-    style = ("body{font-family:sans-serif;margin:24px;max-width:1100px} table{border-collapse:collapse;font-size:12px}"
-             "td,th{border:1px solid #ccc;padding:3px 6px;text-align:right} th{background:#f4f4f4}"
+    style = ("body{font-family:sans-serif;margin:24px;max-width:1200px} table{border-collapse:collapse;font-size:12px;"
+             "margin:6px 0} td,th{border:1px solid #ccc;padding:3px 6px;text-align:right} th{background:#f4f4f4}"
              ".partial{background:#fff3cd;border:1px solid #e0b000;padding:8px;font-weight:bold}"
+             "tr.differs td{background:#fff3cd;font-weight:bold} .conditions td:first-child{text-align:left}"
              ".cond{font-size:11px;color:#555} .note{font-size:12px;color:#555} section{margin-bottom:28px}")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>batchgen report</title>"
-            f"<style>{style}</style></head><body>{''.join(body)}</body></html>")
+            f"<style>{style}</style><script>{get_plotlyjs()}</script></head><body>{''.join(body)}"
+            f"<script>{DRAW}</script></body></html>")

@@ -23,10 +23,10 @@ def _sql_dir() -> Path:
 
 SQL_DIR = _sql_dir()
 # in dependency order
-QUERIES = ("run_status", "run_conditions", "throughput", "request_latency", "itl_by_context_concurrency", "itl_by_concurrency",
-           "itl_per_step", "kv_cache",
-           "throughput_over_time", "step_timeline", "mbu_over_steps", "step_time_by_batch", "ttft_cdf",
-           "run_comparison")
+QUERIES = ("run_status", "run_conditions", "throughput", "request_latency", "itl_overall",
+           "itl_by_context_concurrency", "itl_by_concurrency", "itl_per_step", "kv_cache", "throughput_over_time",
+           "step_timeline", "step_windows", "step_time_by_batch", "ttft_cdf", "run_comparison",
+           "run_conditions_diff", "run_delta", "latency_frontier", "cost")
 LARGE = {"step_timeline"}  # one row per step: written by DuckDB straight to files, never loaded whole
 
 
@@ -45,8 +45,8 @@ def _literal(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
-def connect(run_dirs: list[str | Path], window_s: float | None = None,
-            memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
+def connect(run_dirs: list[str | Path], window_s: float | None = None, memory_limit: str | None = None,
+            price_per_hour: float | None = None) -> duckdb.DuckDBPyConnection:
     """A connection with the run views (requests, errors, tokens, steps, runs) and every query view."""
     from batchgen.data.fs import Store, filesystem, is_uri
 
@@ -68,6 +68,10 @@ def connect(run_dirs: list[str | Path], window_s: float | None = None,
     con.execute(f"set variable runs = [{', '.join(_literal(d) for d in dirs)}]")
     if window_s is not None:
         con.execute(f"set variable window_s = {float(window_s)!r}")
+    if price_per_hour is not None:
+        if not price_per_hour >= 0:
+            raise ReportError(f"--price-per-hour must be a non-negative number, got {price_per_hour!r}")
+        con.execute(f"set variable price_per_hour = {float(price_per_hour)!r}")
     for statement in duckdb.extract_statements(load_sql("views")):  # in order: a view may need a variable set before
         con.execute(statement)
     for name in QUERIES:
