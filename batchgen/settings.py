@@ -27,14 +27,24 @@ class GenerateSettings(BaseModel):
                                            "reuse an id to resume; a new one if empty",
                                pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
     model: str = Field("smollm2-135m", title="Model", description="'smollm2-135m' or a local HF-format directory")
-    engine: Literal["native", "vllm"] = Field("native", title="Engine")
-    max_tokens: int = Field(128, ge=1, title="Max new tokens per row (a row's max_tokens column wins)")
-    temperature: float = Field(0.0, ge=0, title="Temperature (0 = greedy)")
-    top_p: float = Field(1.0, gt=0, le=1, title="Top-p")
-    top_k: int = Field(0, ge=0, title="Top-k (0 = off)")
+    engine: Literal["native", "vllm"] = Field("native", title="Engine",
+                                                  description="native: batchgen's own paged engine (CPU or CUDA); "
+                                                              "vllm: vLLM's engine (the cpu or gpu extra)")
+    max_tokens: int = Field(128, ge=1, title="Max new tokens per row (a row's max_tokens column wins)",
+                            description="generation stops at this many tokens unless EOS or a stop string "
+                                        "comes first")
+    temperature: float = Field(0.0, ge=0, title="Temperature (0 = greedy)",
+                               description="0 picks the most likely token; above 0 samples, with each row's "
+                                           "own seed (a row's temperature column wins)")
+    top_p: float = Field(1.0, gt=0, le=1, title="Top-p",
+                         description="sample from the smallest set of tokens holding this probability; 1: off")
+    top_k: int = Field(0, ge=0, title="Top-k (0 = off)",
+                       description="sample from the k most likely tokens only")
     seed: int = Field(0, title="Run seed", description="rows without a seed column derive theirs from it and their id")
-    stop: list[str] = Field(default_factory=list, title="Stop strings")
-    ignore_eos: bool = Field(False, title="Ignore EOS")
+    stop: list[str] = Field(default_factory=list, title="Stop strings",
+                            description="generation ends before any of these (a row's stop column wins)")
+    ignore_eos: bool = Field(False, title="Ignore EOS",
+                             description="keep generating past end-of-sequence up to max tokens (benchmarks)")
     response_format: str | None = Field(None, title="Response format (JSON)",
                                         description='as in the OpenAI API, e.g. {"type": "json_schema", '
                                                     '"json_schema": {"schema": {...}}}; also regex and choice; '
@@ -50,8 +60,12 @@ class GenerateSettings(BaseModel):
     keep_columns: list[str] = Field(default_factory=list, title="Input columns to keep",
                                     description="carried into requests/ and errors/, so outputs join back "
                                                 "to their metadata")
-    max_num_seqs: int = Field(32, ge=1, le=4096, title="Max sequences per decode batch")
-    max_model_len: int = Field(2048, ge=16, title="Max positions per sequence")
+    max_num_seqs: int = Field(32, ge=1, le=4096, title="Max sequences per decode batch",
+                              description="rows decoded together in one step: wider is more throughput, "
+                                          "longer per-token latency (the sweep deployment measures both)")
+    max_model_len: int = Field(2048, ge=16, title="Max positions per sequence",
+                               description="prompt plus generated tokens; longer prompts follow 'Prompts longer "
+                                           "than the context'")
     kv_cache_memory: float | None = Field(None, gt=0, title="KV-cache memory (GiB)",
                                           description="the paged KV pool's size; default 1 GiB on CPU, "
                                                       "90% of the free GPU memory on CUDA")
@@ -59,7 +73,8 @@ class GenerateSettings(BaseModel):
                                                    description="or: this fraction of the device's free memory")
     kv_cache_tokens: int | None = Field(None, ge=1, title="KV-cache size (token positions)",
                                         description="or: a pool of this many token positions")
-    block_size: int = Field(16, ge=1, le=1024, title="KV block size (positions)")
+    block_size: int = Field(16, ge=1, le=1024, title="KV block size (positions)",
+                            description="token positions per block of the paged KV pool")
     enable_prefix_caching: bool = Field(True, title="Prefix caching",
                                         description="reuse the KV of prompt prefixes that rows share")
     max_num_batched_tokens: int = Field(4096, ge=1, title="Max tokens per step",
@@ -67,7 +82,8 @@ class GenerateSettings(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", title="Dtype", description="auto: the weight dtype measured fastest on this machine for "
                                            "max_num_seqs (native engine; vLLM applies its own auto rule)")
-    device: str = Field("cpu", title="Device", pattern=r"^(cpu|cuda(:\d+)?)$")
+    device: str = Field("cpu", title="Device", pattern=r"^(cpu|cuda(:\d+)?)$",
+                        description="cpu, cuda or cuda:N")
     speculative_ngram: int = Field(0, ge=0, le=16, title="Speculative tokens (n-gram)",
                                    description="draft tokens per step copied from the row's own context "
                                                "(prompt lookup), verified in one pass; 0: off")
@@ -77,8 +93,11 @@ class GenerateSettings(BaseModel):
     attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
         "auto", title="Attention kernel (native engine)",
         description="auto: FlashInfer's paged kernel on CUDA where installed, else the PyTorch path")
-    shard_size: int = Field(1000, ge=1, title="Rows per shard")
-    too_long: Literal["error", "truncate"] = Field("error", title="Prompts longer than the context")
+    shard_size: int = Field(1000, ge=1, title="Rows per shard",
+                            description="the unit of commit and resume: a crash redoes at most one shard per worker")
+    too_long: Literal["error", "truncate"] = Field("error", title="Prompts longer than the context",
+                                                     description="error: the row goes to errors/; truncate: keep "
+                                                                 "the prompt's end that fits")
     lora_adapters: dict[str, str] = Field(default_factory=dict, title="LoRA adapters (vLLM engine)",
                                           description="NAME=PATH of local PEFT adapter directories; a row's "
                                                       "lora column names the one it uses")
@@ -88,7 +107,7 @@ class GenerateSettings(BaseModel):
         "parquet", title="Output format", description="openai-batch: also batch_output.jsonl and "
                                                       "batch_errors.jsonl, as the OpenAI Batch API writes them "
                                                       "(Parquet stays the record)")
-    progress: bool = Field(True, title="Progress bar")
+    progress: bool = Field(True, title="Progress bar", description="a tqdm bar on the worker's stderr")
 
     @field_validator("response_format")
     @classmethod

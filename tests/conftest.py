@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -236,3 +237,50 @@ def screenshot_dir() -> Path | None:
 
     d = os.environ.get("BATCHGEN_SCREENSHOTS")
     return Path(d) if d else None
+
+
+# ---- a real Prefect server ------------------------------------------------------------------------
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(check, timeout_s, what):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{what} not ready after {timeout_s}s")
+
+
+@contextlib.contextmanager
+def prefect_server_env(home: Path, ui: bool):
+    """`prefect server start` on a free loopback port (with its UI if asked); yields the env that points at it."""
+    import os
+    import subprocess
+    import sys
+    import urllib.request
+
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_UI_ENABLED": "true" if ui else "false"}
+    log = open(home / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                               str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        wait_until(lambda: urllib.request.urlopen(f"{api}/health", timeout=2).status == 200, 180, "prefect server")
+        yield env
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()

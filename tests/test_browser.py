@@ -1,8 +1,16 @@
-"""The report, opened in a real headless Chromium with the network cut off: no console errors, and every
-chart has drawn exactly the points its query returned (counted in the browser, against the query's
-Parquet file). Skips where no browser is installed, fails then in CI (BATCHGEN_REQUIRE_BROWSER=1)."""
+"""In a real headless Chromium:
+- the report, opened with the network cut off: no console errors, and every chart has drawn exactly
+  the points its query returned (counted in the browser, against the query's Parquet file);
+- the Prefect UI of a local server serving our deployments: the on-demand deployment's form filled in
+  and submitted like a person would, the run followed to Completed, its artifacts on its page.
+Skips where no browser is installed; CI sets BATCHGEN_REQUIRE_BROWSER=1, which makes that a failure."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
 
 import pyarrow.parquet as pq
 import pytest
@@ -10,7 +18,8 @@ import pytest
 from batchgen.cli import main
 from batchgen.report.queries import QUERIES
 
-from conftest import PageWatch, make_run, screenshot_dir
+from conftest import (REPO, PageWatch, make_run, prefect_server_env, read_run_table, screenshot_dir, wait_until,
+                      write_prompts)
 
 # per drawn point, which rows of the query a trace draws (charts.py's `meta.filter`)
 FILTERS = {
@@ -101,7 +110,105 @@ def test_report_draws_every_point_offline_without_errors(chromium, report_dir):
     assert page.evaluate("document.getElementById('throughput-time')._fullLayout.xaxis.range[1]") == 0.05
     assert watch.errors == []
     if screenshot_dir():
-        page.set_viewport_size({"width": 1280, "height": 1000})
-        page.locator("#step-timeline").scroll_into_view_if_needed()
-        page.screenshot(path=str(screenshot_dir() / "report.png"), full_page=False)
+        for key in ("step-timeline", "frontier"):
+            page.locator(f"section:has(#{key})").screenshot(path=str(screenshot_dir() / f"report-{key}.png"))
     context.close()
+
+
+# the form's fields, by the titles GenerateSettings gives them (what a person reads on the page)
+FORM_FIELDS = {"input": "Input", "output": "Output root (Optional)", "run_id": "Run id (Optional)",
+               "model": "Model (Optional)", "engine": "Engine (Optional)",
+               "max_tokens": "Max new tokens per row (a row's max_tokens column wins) (Optional)",
+               "max_num_seqs": "Max sequences per decode batch (Optional)",
+               "max_model_len": "Max positions per sequence (Optional)", "shard_size": "Rows per shard (Optional)"}
+TAG_FIELD_JS = """([label, tag]) => {
+  const span = [...document.querySelectorAll('.schema-form-property__label')].find(s => s.textContent.trim() === label);
+  if (!span) return false;
+  span.closest('.schema-form-property').setAttribute('data-field', tag);
+  return true;
+}"""
+
+
+@pytest.fixture(scope="module")
+def served_ui(tmp_path_factory):
+    """A Prefect server with its UI, and flows/serve.py serving the deployments to it."""
+    home = tmp_path_factory.mktemp("prefect-ui-home")
+    with prefect_server_env(home, ui=True) as env:
+        log = open(home / "serve.log", "w")
+        served = subprocess.Popen([sys.executable, "-m", "flows.serve"], env=env, cwd=REPO, stdout=log,
+                                  stderr=subprocess.STDOUT)
+        api = env["PREFECT_API_URL"]
+
+        def deployment_id():
+            with urllib.request.urlopen(f"{api}/deployments/name/batchgen-pipeline/on-demand", timeout=5) as r:
+                return json.load(r)["id"]
+
+        try:
+            wait_until(deployment_id, 180, "the served on-demand deployment")
+            yield api.removesuffix("/api"), deployment_id(), home / "serve.log"
+        finally:
+            served.terminate()
+            served.wait(30)
+            log.close()
+
+
+@pytest.mark.heavy
+def test_on_demand_form_in_the_prefect_ui_runs_to_completion(chromium, served_ui, tmp_path, tiny_model_dir):
+    ui, deployment, serve_log = served_ui
+    inp = write_prompts(tmp_path / "in.parquet", [f"what is {i} + {i}?" for i in range(5)],
+                        ids=[f"u{i}" for i in range(5)])
+    page = chromium.new_page(viewport={"width": 1400, "height": 1000})
+    watch = PageWatch(page)
+    page.goto(f"{ui}/deployments")
+    page.get_by_role("link", name="on-demand").first.click()  # from the list, as a person would
+    page.wait_for_url(f"**/deployments/deployment/{deployment}*")
+    page.goto(f"{ui}/deployments/deployment/{deployment}/run")  # the "Run > Custom run" form
+    page.get_by_text("Max sequences per decode batch").first.wait_for(timeout=60_000)
+
+    def field(tag):  # tagged afresh each time: the form re-renders a field when its type is switched
+        assert page.evaluate(TAG_FIELD_JS, [FORM_FIELDS[tag], tag]), f"no field titled {FORM_FIELDS[tag]!r}"
+        return page.locator(f"[data-field={tag}]")
+
+    # every field of the form has a description (one of the form's stated qualities)
+    described = page.evaluate("""() => [...document.querySelectorAll('.schema-form-property')]
+        .filter(p => !p.querySelector('.schema-form-property'))
+        .map(p => [p.querySelector('.schema-form-property__label')?.textContent.trim(),
+                   !!p.querySelector('.schema-form-property__description')])""")
+    assert described and all(has for _, has in described), [name for name, has in described if not has]
+
+    run_name = "ui-form-run"
+    page.locator("input[type=text]").first.fill(run_name)  # Run Name, above the parameters
+    field("input").get_by_role("button", name="Add item").click()
+    field("input").locator("textarea").fill(str(inp))
+    field("output").locator("textarea").fill(str(tmp_path / "runs"))
+    field("run_id").get_by_role("button", name="str", exact=True).click()
+    field("run_id").locator("textarea").fill("from-the-form")
+    field("model").locator("textarea").fill(str(tiny_model_dir))
+    field("engine").locator("button.p-select-button__control").focus()
+    page.keyboard.press("ArrowDown")
+    page.get_by_role("option", name="native", exact=True).click()
+    for tag, value in (("max_tokens", "3"), ("max_num_seqs", "2"), ("max_model_len", "64"), ("shard_size", "2")):
+        field(tag).locator("input").fill(value)
+    if screenshot_dir():
+        field("input").scroll_into_view_if_needed()
+        page.screenshot(path=str(screenshot_dir() / "prefect-form.png"))
+    page.get_by_role("button", name="Submit").click()
+
+    page.wait_for_url("**/deployments/deployment/**tab=Runs", timeout=30_000)
+    page.get_by_text(run_name).first.click()
+    page.wait_for_url("**/runs/flow-run/**", timeout=30_000)
+    completed = page.locator(".state-badge.state--completed")
+    try:
+        completed.first.wait_for(timeout=300_000)
+    except Exception:
+        raise AssertionError(serve_log.read_text()[-4000:]) from None
+    page.locator("li.p-tab", has_text="Artifacts").click()
+    for key in ("batchgen-headline", "batchgen-latency", "batchgen-report-html"):
+        page.get_by_text(key).first.wait_for(timeout=30_000)
+    assert watch.errors == [], watch.errors
+
+    run_dir = tmp_path / "runs" / "from-the-form"
+    assert (run_dir / "_SUCCESS").is_file() and (run_dir / "report" / "report.html").is_file()
+    assert sorted(read_run_table(run_dir, "requests").column("id").to_pylist()) == [f"u{i}" for i in range(5)]
+    cond = json.loads((run_dir / "run.json").read_text())["conditions"]["engine"]
+    assert cond["max_num_seqs"] == 2 and cond["engine"] == "native"

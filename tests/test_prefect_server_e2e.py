@@ -2,55 +2,20 @@
 started through the API with parameters the way the UI does, then its outputs and artifacts checked."""
 
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 
-from conftest import REPO, read_run_table, write_prompts
+from conftest import REPO, prefect_server_env, read_run_table, write_prompts
 
 pytestmark = pytest.mark.heavy  # starts vLLM, a Prefect server or a Ray cluster: not in `make test-fast`
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(check, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except Exception:  # noqa: BLE001 - not up yet
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{what} not ready after {timeout_s}s")
-
-
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory):
-    port = free_port()
-    home = tmp_path_factory.mktemp("prefect-server-home")
-    api = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_UI_ENABLED": "false"}
-    log = open(home / "server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                               str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    try:
-        wait_until(lambda: urllib.request.urlopen(f"{api}/health", timeout=2).status == 200, 180, "prefect server")
+    with prefect_server_env(tmp_path_factory.mktemp("prefect-server-home"), ui=False) as env:
         yield env
-    finally:
-        server.terminate()
-        server.wait(30)
-        log.close()
 
 
 def test_ui_style_run_of_the_on_demand_deployment(tmp_path, tiny_model_dir, prefect_server):
