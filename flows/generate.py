@@ -83,7 +83,12 @@ def generate_shards(settings: GenerateSettings, run_path: str, indices: list[int
 
 @flow(name="batchgen-generate")
 def generate(settings: GenerateSettings, fanout: FanOut = FanOut()) -> dict[str, Any]:
-    """Generate outputs and per-token timings for a prompt dataset; re-running a run id resumes it."""
+    """Generate outputs and per-token timings for a prompt dataset; re-running a run id resumes it.
+
+    Args:
+        settings: the generation job: input, model, engine, sampling, batching and output
+        fanout: where the shard tasks run: in this process, or on a Ray cluster
+    """
     logger = get_run_logger()
     if settings.run_id is None:  # a retried flow run must land in the same run directory
         settings = settings.model_copy(update={"run_id": f"flow-{flow_run.get_id()[:8]}"})

@@ -13,7 +13,12 @@ from flows.report import report
 
 @flow(name="batchgen-pipeline")
 def pipeline(settings: GenerateSettings, fanout: FanOut = FanOut()) -> dict[str, Any]:
-    """Generate a dataset, then publish its latency and throughput report."""
+    """Generate a dataset, then publish its latency and throughput report.
+
+    Args:
+        settings: the generation job: input, model, engine, sampling, batching and output
+        fanout: where the shard tasks run: in this process, or on a Ray cluster
+    """
     run = generate(settings, fanout)
     # the report runs inside this flow run (not as a subflow), so its artifacts land on the run a user
     # started from the form, where the UI's Artifacts tab shows them

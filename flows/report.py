@@ -47,7 +47,14 @@ def _r(v):
 @flow(name="batchgen-report")
 def report(run_dirs: list[str], out_dir: str | None = None, window_s: float | None = None,
            price_per_hour: float | None = None) -> dict[str, Any]:
-    """Run the DuckDB reports over one or more run directories and publish headline artifacts."""
+    """Run the DuckDB reports over one or more run directories and publish headline artifacts.
+
+    Args:
+        run_dirs: run directories or globs, local or s3://...; the first is the baseline the others are compared to
+        out_dir: where the report's files go (default RUN_DIR/report for a local run)
+        window_s: the window of the tok/s-over-time chart, in seconds (default 1)
+        price_per_hour: what the machine costs per hour (any currency): adds the cost per million output tokens
+    """
     logger = get_run_logger()
     out = Path(out_dir) if out_dir else default_report_dir(run_dirs[0])
     results = build_report(run_dirs, out, window_s=window_s, price_per_hour=price_per_hour)

@@ -23,8 +23,16 @@ SWEEP_KEY = "batchgen-sweep"
 
 @flow(name="batchgen-sweep")
 def sweep(settings: GenerateSettings, max_num_seqs: Annotated[list[int], Field(min_length=1)] = [1, 4, 16],  # noqa: B006
-          sample_rows: Annotated[int, Field(ge=1)] = 64) -> dict[str, Any]:
-    """Run one sample at several batch widths and report throughput against latency, to pick max_num_seqs."""
+          sample_rows: Annotated[int, Field(ge=1)] = 64, price_per_hour: float | None = None) -> dict[str, Any]:
+    """Run one sample at several batch widths and report throughput against latency, to pick max_num_seqs.
+
+    Args:
+        settings: the job to sweep; its max_num_seqs is replaced by each width in turn
+        max_num_seqs: the batch widths to run, one run each
+        sample_rows: the first rows of the input, the same sample for every width
+        price_per_hour: what the machine costs per hour (any currency): adds each width's cost per million
+            output tokens
+    """
     logger = get_run_logger()
     base = settings.run_id or "sweep"
     root = join(settings.output, base)  # a local directory or an object-store prefix
@@ -44,7 +52,10 @@ def sweep(settings: GenerateSettings, max_num_seqs: Annotated[list[int], Field(m
         logger.info("max_num_seqs=%s: %s", width, summary)
         run_dirs.append(summary.run_dir)
     report_dir = Path(f"report-{base}") if is_uri(root) else Path(root) / "report"  # the report is local files
-    results = build_report(run_dirs, report_dir)
-    rows = sorted(headline_rows(results), key=lambda r: r["max_num_seqs"] or 0)
+    results = build_report(run_dirs, report_dir, price_per_hour=price_per_hour)
+    frontier = {r["run_id"]: r["on_frontier"] for r in results["latency_frontier"].to_pylist()}
+    cost = {r["run_id"]: r["cost_per_million_output_tokens"] for r in results["cost"].to_pylist()}
+    rows = sorted(({**r, "on_frontier": frontier.get(r["run_id"]), "cost_per_million_output_tokens": cost.get(r["run_id"])}
+                   for r in headline_rows(results)), key=lambda r: r["max_num_seqs"] or 0)
     create_table_artifact(rows, key=SWEEP_KEY, description="throughput against latency by max_num_seqs")
     return {"report": str(report_dir), "curve": rows}

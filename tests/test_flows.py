@@ -75,9 +75,28 @@ def test_pipeline_and_sweep(tmp_path, tiny_model_dir):
 
     result = pipeline(settings_for(tmp_path, tiny_model_dir, run_id="pipe"))
     assert result["rows"] == 8 and os.path.isfile(os.path.join(result["report"], "report.html"))
-    curve = sweep(settings_for(tmp_path, tiny_model_dir, run_id="sw"), max_num_seqs=[1, 3], sample_rows=5)["curve"]
+    curve = sweep(settings_for(tmp_path, tiny_model_dir, run_id="sw"), max_num_seqs=[1, 3], sample_rows=5,
+                  price_per_hour=2.0)["curve"]
     assert [r["max_num_seqs"] for r in curve] == [1, 3]
     assert all(r["requests"] + r["errors"] == 5 for r in curve)
+    assert any(r["on_frontier"] for r in curve) and all(r["cost_per_million_output_tokens"] > 0 for r in curve)
+
+
+def test_every_form_field_is_described():
+    """The UI renders each parameter's description under its title: none may be missing."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.generate import generate
+    from flows.pipeline import pipeline
+    from flows.report import report
+    from flows.sweep import sweep
+
+    for fl in (generate, pipeline, report, sweep):
+        schema = parameter_schema(fl).model_dump()
+        models = [schema, *schema.get("definitions", {}).values()]
+        missing = [(fl.name, name) for m in models for name, prop in m.get("properties", {}).items()
+                   if not prop.get("description")]
+        assert missing == []
 
 
 def test_parameter_schema_shows_a_form():
