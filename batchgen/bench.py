@@ -9,8 +9,9 @@ tokens (Stanford Alpaca's 175 seed tasks, CC BY-NC, shipped in batchgen/benchmar
 p50/p95/p99 (per-token gaps after the first, pooled), MBU (bytes read per second over the peak the
 hardware probe measured; over the whole run, and over the decode-only steps, which are the
 memory-bound part) and the ratio to the best peer in the same row group. The native engine
-runs in fp32 and, as `native:auto`, in the dtype `--dtype auto` picks, with its greedy agreement
-with fp32 (share of tokens before each row's first divergence). A speculative-decoding section
+runs in fp32; as `native:auto`, in the dtype `--dtype auto` picks; and as `native:int4`, with 4-bit
+weights and bf16 activations; the last two with their greedy agreement with fp32 (share of tokens
+before each row's first divergence). A speculative-decoding section
 runs n-gram speculation on and off on a workload that copies from its prompt and on an open-ended
 one, on the native engine and vLLM, with acceptance rates; a slow-down prints as a ratio below 1.
 
@@ -42,7 +43,7 @@ COPY_TEMPLATE = "Repeat the following text exactly, word for word, and nothing e
 @dataclass
 class Measurement:
     section: str  # grid | speculative
-    engine: str  # native, native:auto, vllm, hf
+    engine: str  # native, native:auto, native:int4, vllm, hf
     dtype: str
     batch: int
     mode: str
@@ -125,10 +126,10 @@ def run_engine(engine, prompt_ids: list[list[int]], batch: int, params: Sampling
 
 
 def make_engine(name: str, model_dir, dtype: str, max_num_seqs: int, max_model_len: int, kv_tokens: int,
-                k: int = 0):
+                k: int = 0, quantization: str = "none"):
     from batchgen.engine import create_engine
 
-    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype, quantization=quantization,
                        kv_cache_tokens=kv_tokens,  # room for every row in flight: no preemption
                        max_num_batched_tokens=max(4096, max_model_len), speculative_ngram=k,
                        enable_prefix_caching=False)  # the variants share no prefix; keep it a pure decode test
@@ -228,11 +229,15 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
         return m
 
     # the grid: engines x batch x mode
+    from batchgen.model.linear import can_int4
+
     variants = []
     for name in engines:
         variants.append((name, "float32"))
         if name == "native":
             variants.append(("native:auto", "auto"))
+            if can_int4("cpu"):  # the 4-bit weight path, measured where it loses too
+                variants.append(("native:int4", "bfloat16"))
     for name, dtype in variants:
         log(f"{name} ({dtype}) ...")
         if name == "hf":
@@ -244,7 +249,8 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
             del runner
             gc.collect()
             continue
-        engine = make_engine(name.split(":")[0], model_dir, dtype, max(batches), max_len, kv_tokens)
+        engine = make_engine(name.split(":")[0], model_dir, dtype, max(batches), max_len, kv_tokens,
+                             quantization="int4" if name == "native:int4" else "none")
         resolved = engine.conditions().get("dtype", dtype)
         for b in batches:
             for mode in modes:
@@ -294,7 +300,7 @@ def _compare(results: list[Measurement]) -> None:
         peers = [p.tok_per_s for p in grid if (p.batch, p.mode) == (m.batch, m.mode)
                  and p.engine.split(":")[0] != m.engine.split(":")[0]]
         m.vs_best_peer = m.tok_per_s / max(peers) if peers else None
-        if m.engine == "native:auto" and m.mode == "greedy":
+        if m.engine in ("native:auto", "native:int4") and m.mode == "greedy":
             ref = next((p for p in grid if (p.engine, p.batch, p.mode) == ("native", m.batch, "greedy")), None)
             m.agreement_fp32 = agreement(ref.outputs, m.outputs) if ref else None
     for m in results:

@@ -204,6 +204,7 @@ class EngineConfig:
     prompt_lookup_max: int = 4  # longest n-gram matched, tried first
     compile: str = "auto"  # torch.compile the step's elementwise pieces: on, off, auto (on where it wins: CUDA)
     pack_weights: bool = True  # weights in the kernel's fastest layout (False: the checkpoint's, for A/B)
+    quantization: str = "none"  # int4: the layers' matrices as 4-bit weights (native engine, CPU; bf16 activations)
     seed: int = 0  # run-level seed; requests without their own seed derive one from it and their id
 
     def __post_init__(self) -> None:
@@ -228,6 +229,11 @@ class EngineConfig:
                  f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
                  f"{self.prompt_lookup_max}")
         _require(self.compile in ("auto", "on", "off"), f"compile must be auto, on or off, got {self.compile!r}")
+        _require(self.quantization in ("none", "int4"), f"quantization must be none or int4, got {self.quantization!r}")
+        _require(self.quantization == "none" or self.dtype in ("auto", "bfloat16"),
+                 f"quantization int4 runs its activations in bfloat16 (PyTorch's int4 CPU kernel; with float32 "
+                 f"activations it takes a reference path measured 15x slower): use dtype auto or bfloat16, "
+                 f"not {self.dtype!r}")
         _require(self.attention_backend in ATTENTION_BACKENDS,
                  f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 

@@ -87,6 +87,11 @@ class GenerateSettings(BaseModel):
     speculative_ngram: int = Field(0, ge=0, le=16, title="Speculative tokens (n-gram)",
                                    description="draft tokens per step copied from the row's own context "
                                                "(prompt lookup), verified in one pass; 0: off")
+    quantization: Literal["none", "int4"] = Field(
+        "none", title="Weight quantization (native engine)",
+        description="int4: the layers' weights as 4-bit codes with a scale and zero per 32 (PyTorch's int4 CPU "
+                    "kernel, bf16 activations): faster at small batches, slower at wide ones; the shipped "
+                    "SmolLM2 weights are exactly such values (GGUF Q4_1)")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", title="Compile the step (native engine)",
         description="torch.compile the step's fused elementwise kernels; auto: on CUDA only, where it wins")
@@ -126,7 +131,8 @@ class GenerateSettings(BaseModel):
                                        enable_prefix_caching=self.enable_prefix_caching,
                                        max_num_batched_tokens=self.max_num_batched_tokens, dtype=self.dtype,
                                        device=self.device, seed=self.seed, attention_backend=self.attention_backend,
-                                       compile=self.compile, speculative_ngram=self.speculative_ngram),
+                                       compile=self.compile, speculative_ngram=self.speculative_ngram,
+                                       quantization=self.quantization),
             sampling=SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                                     top_k=self.top_k, stop=tuple(self.stop), ignore_eos=self.ignore_eos,
                                     logprobs=self.logprobs, structured=normalise_response_format(self.response_format)),

@@ -14,12 +14,13 @@ def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, 
                                     speculative_k=2, spec_batch=2, log=lambda *_: None)
     grid = [m for m in results if m.section == "grid"]
     assert {(m.engine, m.batch, m.mode) for m in grid} == {
-        (e, b, mode) for e in ("native", "native:auto", "hf") for b in (1, 2) for mode in ("greedy", "sampled")}
+        (e, b, mode) for e in ("native", "native:auto", "native:int4", "hf") for b in (1, 2)
+        for mode in ("greedy", "sampled")}
     for m in grid:
         assert m.tokens == m.prompts * 4 and m.seconds > 0  # ignore_eos: every prompt its 4 tokens
         assert m.itl_p50_s <= m.itl_p99_s and m.mbu > 0 and m.vs_best_peer > 0
-    auto = [m for m in grid if m.engine == "native:auto" and m.mode == "greedy"]
-    assert all(0 <= m.agreement_fp32 <= 1 for m in auto)
+    auto = [m for m in grid if m.engine in ("native:auto", "native:int4") and m.mode == "greedy"]
+    assert len(auto) == 4 and all(0 <= m.agreement_fp32 <= 1 for m in auto)
     spec = [m for m in results if m.section == "speculative"]
     assert {(m.workload, m.speculative_k) for m in spec} == {("copy", 0), ("copy", 2), ("open", 0), ("open", 2)}
     assert all(m.identical_to_off for m in spec if m.speculative_k)  # speculation never changes the output

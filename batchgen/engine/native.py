@@ -28,6 +28,7 @@ from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.speculative import NgramProposer
 from batchgen.engine.structured import GrammarConstraints
 from batchgen.faults import fail_if_poisoned, fault_requests_active
+from batchgen.model.linear import INT4_GROUP, can_int4
 from batchgen.model.llama import LlamaModel
 from batchgen.model.loader import DTYPES, load_model, read_model_config
 from batchgen.model.tokenizer import Tokenizer
@@ -47,9 +48,15 @@ class NativeEngine(Engine):
         if model is not None:
             self.model, self.dtype, self.dtype_choice = model, str(model.dtype).removeprefix("torch."), "the model's"
         else:
-            self.dtype, self.dtype_choice = resolve_dtype(config.dtype, config.device, config.max_num_seqs)
+            if config.quantization == "int4":
+                if not can_int4(config.device):
+                    raise ValueError(f"quantization int4 needs PyTorch's int4 CPU kernel; device {config.device!r} "
+                                     f"has none here (on CUDA, serve a quantized checkpoint with the vllm engine)")
+                self.dtype, self.dtype_choice = "bfloat16", "int4 weights: the kernel's activations"
+            else:
+                self.dtype, self.dtype_choice = resolve_dtype(config.dtype, config.device, config.max_num_seqs)
             self.model = load_model(model_dir, self.dtype, config.device, max_positions=self.max_model_len,
-                                    pack_weights=config.pack_weights)
+                                    pack_weights=config.pack_weights, quantization=config.quantization)
         self.compile_s = self._compile(config)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(model_dir)
         self.eos_token_ids = set(c.eos_token_ids)
@@ -151,7 +158,8 @@ class NativeEngine(Engine):
         return {
             "engine": self.name, "engine_version": batchgen.__version__, "torch_version": torch.__version__,
             "dtype": self.dtype, "dtype_choice": self.dtype_choice, "weight_layout": self.model.weight_layout,
-            "quantization": None, "device": c.device, "torch_threads": torch.get_num_threads(),
+            "quantization": (f"int4 weight-only, group {INT4_GROUP}, scale+zero (layers; head {self.dtype})"
+                             if c.quantization == "int4" else None), "device": c.device, "torch_threads": torch.get_num_threads(),
             "max_num_seqs": c.max_num_seqs, "max_model_len": self.max_model_len,
             "kv_budget_tokens": self.blocks.num_blocks * self.blocks.block_size, "kv_block_size": self.blocks.block_size,
             "kv_num_blocks": self.blocks.num_blocks, "kv_cache_bytes": kv.nbytes if kv else 0,

@@ -147,6 +147,9 @@ class VllmEngine(Engine):
 
         options = dict(options or {})
         check_vllm_options(options)
+        if config.quantization != "none":  # vLLM quantizes through its own options and checkpoints
+            raise ValueError(f"quantization {config.quantization!r} is the native engine's; with vllm, pass a "
+                             f"quantized checkpoint or vllm options (e.g. quantization=...)")
         self.config = config
         self.model_dir = Path(model_dir)
         shape = read_hf_shape(model_dir)  # vLLM itself decides whether it runs the architecture

@@ -114,7 +114,8 @@ class LlamaModel:
 
     @property
     def weight_layout(self) -> str:
-        return self.lm_head.layout
+        layers, head = self.layers[0].qkv.layout, self.lm_head.layout
+        return head if layers == head else f"layers: {layers}; head: {head}"
 
     def compile(self, mode: str | None = None) -> None:
         """torch.compile (Inductor) the elementwise pieces around the matmuls: RMSNorm (6 ops), RoPE

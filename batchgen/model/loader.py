@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from batchgen.config import ConfigError, ModelConfig
-from batchgen.model.linear import Linear
+from batchgen.model.linear import Int4Linear, Linear
 from batchgen.model.llama import Layer, LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,18 +77,26 @@ def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
-               max_positions: int | None = None, pack_weights: bool = True) -> LlamaModel:
+               max_positions: int | None = None, pack_weights: bool = True, quantization: str = "none") -> LlamaModel:
     """Load a local Llama-family checkpoint, fusing q/k/v and gate/up for fewer, larger matmuls, each
-    in the layout fastest for the device's kernel (`pack_weights=False` keeps the checkpoint's)."""
+    in the layout fastest for the device's kernel (`pack_weights=False` keeps the checkpoint's).
+    `quantization="int4"`: the layers' matrices as 4-bit weights (batchgen.model.linear.Int4Linear),
+    quantized from the checkpoint's own values; the head and norms stay in `dtype`."""
     config = read_model_config(model_dir)
     state = load_state_dict(model_dir)
     dt = DTYPES[dtype]
+    int4 = quantization == "int4"
+    if quantization not in ("none", "int4"):
+        raise ModelLoadError(f"unknown quantization {quantization!r}: none or int4")
 
-    def take(name: str, required: bool = True):
+    def take(name: str, required: bool = True, as_dtype: torch.dtype | None = None):
         t = state.pop(name, None)
         if t is None and required:
             raise ModelLoadError(f"{model_dir}: weight {name!r} not found in safetensors")
-        return None if t is None else t.to(device=device, dtype=dt).contiguous()
+        return None if t is None else t.to(device=device, dtype=as_dtype or dt).contiguous()
+
+    def matrix(name: str):  # int4 quantizes from the checkpoint's float32 values, not a bf16 rounding of them
+        return take(name, as_dtype=torch.float32 if int4 else None)
 
     def norm(name: str):  # Gemma's RMSNorm scales by (1 + w): fold the 1 in once, at load
         w = take(name)
@@ -97,25 +105,28 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     def linear(w, bias=None) -> Linear:
         return Linear(w, bias, pack=pack_weights)
 
+    def layer_linear(w, bias=None) -> Linear | Int4Linear:
+        return Int4Linear(w, bias) if int4 else linear(w, bias)
+
     embed = take("model.embed_tokens.weight")
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        q, k, v = (take(p + f"self_attn.{n}_proj.weight") for n in "qkv")
+        q, k, v = (matrix(p + f"self_attn.{n}_proj.weight") for n in "qkv")
         bias = None
         if config.attention_bias:
             bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-        gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
+        gate, up = matrix(p + "mlp.gate_proj.weight"), matrix(p + "mlp.up_proj.weight")
         sandwich = config.sandwich_norms  # Gemma 2: post_attention_layernorm norms the attention's output
         layers.append(Layer(
             input_norm=norm(p + "input_layernorm.weight"),
-            qkv=linear(torch.cat([q, k, v]), bias),
+            qkv=layer_linear(torch.cat([q, k, v]), bias),
             q_norm=take(p + "self_attn.q_norm.weight") if config.qk_norm else None,
             k_norm=take(p + "self_attn.k_norm.weight") if config.qk_norm else None,
-            o=linear(take(p + "self_attn.o_proj.weight")),
+            o=layer_linear(matrix(p + "self_attn.o_proj.weight")),
             post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
-            gate_up=linear(torch.cat([gate, up])),
-            down=linear(take(p + "mlp.down_proj.weight")),
+            gate_up=layer_linear(torch.cat([gate, up])),
+            down=layer_linear(matrix(p + "mlp.down_proj.weight")),
             attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
             mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
             window=config.sliding_window if i in config.sliding_layers else None,
