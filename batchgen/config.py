@@ -205,6 +205,9 @@ class EngineConfig:
     compile: str = "auto"  # torch.compile the step's elementwise pieces: on, off, auto (on where it wins: CUDA)
     pack_weights: bool = True  # weights in the kernel's fastest layout (False: the checkpoint's, for A/B)
     quantization: str = "none"  # int4: the layers' matrices as 4-bit weights (native engine, CPU; bf16 activations)
+    # decode-only steps padded to static (rows, pairs) buckets and replayed as CUDA graphs; auto: on CUDA
+    # with the PyTorch paged attention; on CPU, `on` runs the same static buckets eagerly (no graphs there)
+    cuda_graphs: str = "auto"
     seed: int = 0  # run-level seed; requests without their own seed derive one from it and their id
 
     def __post_init__(self) -> None:
@@ -230,6 +233,7 @@ class EngineConfig:
                  f"{self.prompt_lookup_max}")
         _require(self.compile in ("auto", "on", "off"), f"compile must be auto, on or off, got {self.compile!r}")
         _require(self.quantization in ("none", "int4"), f"quantization must be none or int4, got {self.quantization!r}")
+        _require(self.cuda_graphs in ("auto", "on", "off"), f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
         _require(self.quantization == "none" or self.dtype in ("auto", "bfloat16"),
                  f"quantization int4 runs its activations in bfloat16 (PyTorch's int4 CPU kernel; with float32 "
                  f"activations it takes a reference path measured 15x slower): use dtype auto or bfloat16, "

@@ -112,8 +112,10 @@ def test_gpu_check_runs_its_code_path_on_cpu_with_a_small_shape(tmp_path, monkey
     from batchgen.benchmarks import gpu
 
     lines = []
-    rows = gpu.run("small", "cpu", [1, 3], prompt_tokens=8, new_tokens=4, compile_="off", log=lines.append)
+    rows = gpu.run("small", "cpu", [1, 3], prompt_tokens=8, new_tokens=4, compile_="off", log=lines.append,
+                   cuda_graphs="on")
     assert [r["batch"] for r in rows] == [1, 3]
+    assert all(r["cuda_graphs"].startswith("static buckets") for r in rows)  # the GPU's bucketing, less the capture
     assert all(r["tok_per_s"] > 0 and 0 < r["mbu"] and r["itl_p50_ms"] <= r["itl_p99_ms"] for r in rows)
     assert "shape small" in lines[0] and "probe peak read" in lines[0]
     assert all("tok/s" in l and "MBU" in l for l in lines[1:])

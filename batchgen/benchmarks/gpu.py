@@ -20,7 +20,7 @@ import torch
 
 
 def run(shape: str, device: str, batches: list[int], prompt_tokens: int, new_tokens: int, compile_: str,
-        log=print) -> list[dict]:
+        log=print, cuda_graphs: str = "auto") -> list[dict]:
     from batchgen.config import EngineConfig, SamplingParams
     from batchgen.engine.native import NativeEngine
     from batchgen.engine.precision import resolve_dtype
@@ -45,7 +45,7 @@ def run(shape: str, device: str, batches: list[int], prompt_tokens: int, new_tok
     for b in batches:
         cfg = EngineConfig(max_num_seqs=b, max_model_len=max_len, device=device, kv_cache_tokens=b * max_len,
                            max_num_batched_tokens=max(4096, 2 * prompt_tokens), compile=compile_,
-                           enable_prefix_caching=False)
+                           enable_prefix_caching=False, cuda_graphs=cuda_graphs)
         engine = NativeEngine("<random>", cfg, model=model, tokenizer=IdTokenizer())
         params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
         engine.add("warm-up", prompts[0][:16], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -69,11 +69,12 @@ def run(shape: str, device: str, batches: list[int], prompt_tokens: int, new_tok
         row = {"batch": b, "tok_per_s": tokens / seconds, "itl_p50_ms": 1000 * g.quantile(0.5).item(),
                "itl_p99_ms": 1000 * g.quantile(0.99).item(), "mbu": nbytes / seconds / peak, "seconds": seconds,
                "compile": c["compile"], "compile_s": c["compile_s"], "attention": c["attention_backend"],
-               "kv_cache_gb": c["kv_cache_bytes"] / 1e9}
+               "kv_cache_gb": c["kv_cache_bytes"] / 1e9, "cuda_graphs": c["cuda_graphs"]}
         rows.append(row)
         log(f"batch {b:>4}: {row['tok_per_s']:9.1f} tok/s  ITL p50 {row['itl_p50_ms']:7.2f} ms  p99 "
             f"{row['itl_p99_ms']:7.2f} ms  MBU {row['mbu']:.2f}  ({seconds:.1f} s; compile {row['compile']} "
-            f"{row['compile_s'] or 0:.1f} s; attention {row['attention']}; KV {row['kv_cache_gb']:.2f} GB)")
+            f"{row['compile_s'] or 0:.1f} s; attention {row['attention']}; KV {row['kv_cache_gb']:.2f} GB; "
+            f"graphs: {row['cuda_graphs']})")
         del engine
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -88,9 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="the decode step captured per bucket (auto: on CUDA with the PyTorch paged attention)")
     a = p.parse_args(argv)
     print(f"batchgen GPU check, {time.strftime('%Y-%m-%d %H:%M:%S')}, host {os.uname().nodename}")
-    run(a.shape, a.device, [int(b) for b in a.batches.split(",")], a.prompt_tokens, a.new_tokens, a.compile)
+    run(a.shape, a.device, [int(b) for b in a.batches.split(",")], a.prompt_tokens, a.new_tokens, a.compile,
+        cuda_graphs=a.cuda_graphs)
     return 0
 
 

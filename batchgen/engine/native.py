@@ -17,9 +17,10 @@ import torch
 
 import batchgen
 from batchgen.config import EngineConfig, SamplingParams, derive_seed
-from batchgen.engine.attention import select_backend
+from batchgen.engine.attention import TorchPagedAttention, select_backend
 from batchgen.engine.base import Engine, FinishedRequest, RequestRejected, StepResult, monotonic_clock
 from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.decode_graphs import DecodeGraphs
 from batchgen.engine.kv_cache import PagedKVCache, free_memory_bytes
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.precision import resolve_dtype
@@ -57,7 +58,6 @@ class NativeEngine(Engine):
                 self.dtype, self.dtype_choice = resolve_dtype(config.dtype, config.device, config.max_num_seqs)
             self.model = load_model(model_dir, self.dtype, config.device, max_positions=self.max_model_len,
                                     pack_weights=config.pack_weights, quantization=config.quantization)
-        self.compile_s = self._compile(config)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(model_dir)
         self.eos_token_ids = set(c.eos_token_ids)
         self.clock = clock or monotonic_clock()
@@ -71,10 +71,18 @@ class NativeEngine(Engine):
         num_blocks = max(1, min(pool_bytes // block_bytes, most_useful))
         self.blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching and config.enable_kv_cache)
         attention = select_backend(config.device, config.attention_backend) if config.enable_kv_cache else None
-        kv = (PagedKVCache(c.num_layers, num_blocks, bs, c.num_kv_heads, c.head_dim, DTYPES[self.dtype],
+        on_cuda = config.device.startswith("cuda")
+        graphs = attention is not None and isinstance(attention, TorchPagedAttention) and (
+            config.cuda_graphs == "on" or (config.cuda_graphs == "auto" and on_cuda))
+        # with decode graphs, one more block than the allocator hands out: the padding rows' scratch block
+        kv = (PagedKVCache(c.num_layers, num_blocks + graphs, bs, c.num_kv_heads, c.head_dim, DTYPES[self.dtype],
                            config.device, attention.kv_layout) if attention else None)
         self.constraints = GrammarConstraints(model_dir, c.vocab_size, sorted(self.eos_token_ids))
         self.runner = ModelRunner(self.model, kv, attention, c.vocab_size, config.device, self.constraints)
+        if graphs:
+            self.runner.graphs = DecodeGraphs(self.model, kv, attention, scratch_block=num_blocks,
+                                              max_rows=config.max_num_seqs, device=config.device, capture=on_cuda)
+        self.compile_s = self._compile(config)
         self.proposer = (NgramProposer(config.speculative_ngram, config.prompt_lookup_min, config.prompt_lookup_max)
                          if config.speculative_ngram and config.enable_kv_cache else None)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens,
@@ -94,8 +102,10 @@ class NativeEngine(Engine):
         # Inductor's on-disk cache beside the probe's, so a machine compiles once (not once per /tmp)
         home = Path(os.environ.get("BATCHGEN_HOME", Path.home() / ".cache" / "batchgen"))
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(home / "inductor"))
-        # on CUDA, Inductor's reduce-overhead mode also records the compiled kernels as CUDA graphs
-        self.model.compile("reduce-overhead" if config.device.startswith("cuda") else None)
+        # on CUDA, Inductor's reduce-overhead mode records the compiled kernels as CUDA graphs, unless the
+        # whole decode step is captured (decode_graphs): graphs inside that capture would nest
+        whole_step = self.runner.graphs is not None and self.runner.graphs.capture
+        self.model.compile("reduce-overhead" if config.device.startswith("cuda") and not whole_step else None)
         try:
             self.model.warm_up()
         except Exception as e:  # a compiler that fails here must not take the run down: eager still works
@@ -168,10 +178,19 @@ class NativeEngine(Engine):
             "attention_backend": self.runner.attention.name if self.runner.attention else "none (recompute)",
             "weight_bytes": self.model.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
             "compile": self.model.compiled or "off", "compile_s": self.compile_s,
+            "cuda_graphs": self._graphs_condition(),
             "speculative": ({"method": "ngram", "num_speculative_tokens": c.speculative_ngram,
                              "prompt_lookup_min": c.prompt_lookup_min, "prompt_lookup_max": c.prompt_lookup_max}
                             if self.proposer else None),
         }
+
+    def _graphs_condition(self) -> str:
+        g = self.runner.graphs
+        if g is None:
+            return "off"
+        if not g.capture:
+            return "static buckets, eager (no CUDA graphs on this device)"
+        return f"decode step captured per (rows, pairs) bucket: {len(g.buckets)} graphs, {g.num_steps} replays"
 
     # ---- bookkeeping (host side) ---------------------------------------------------------------
 
