@@ -62,6 +62,8 @@ class Measurement:
     acceptance_rate: float | None = None
     speedup_vs_off: float | None = None  # speculation on over off, same engine and workload
     identical_to_off: bool | None = None
+    repeats: int = 1  # measurements of this cell, modes alternating in order; the median one is kept
+    spread: float | None = None  # (max - min) / median tok/s over the repeats: the noise this run saw
     outputs: list = field(default_factory=list, repr=False)  # token ids per prompt (not written)
 
     @property
@@ -197,7 +199,8 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> float | None:
 
 
 def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str], new_tokens: int = 64,
-              speculative_k: int = 4, spec_batch: int = 8, log=print) -> tuple[list[Measurement], dict]:
+              speculative_k: int = 4, spec_batch: int = 8, log=print,
+              repeats: int = 1) -> tuple[list[Measurement], dict]:
     from batchgen.metrics.conditions import cpu_model, package_versions
     from batchgen.metrics.probe import cached_probe
     from batchgen.model.tokenizer import Tokenizer
@@ -238,25 +241,35 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
             variants.append(("native:auto", "auto"))
             if can_int4("cpu"):  # the 4-bit weight path, measured where it loses too
                 variants.append(("native:int4", "bfloat16"))
+    def measure_cells(name: str, dtype: str, measure) -> None:
+        """Each batch's modes measured `repeats` times, the order of the modes alternating (greedy first,
+        then sampled first, ...), so a slow patch of a shared machine falls on both; the median kept."""
+        for b in batches:
+            runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+            for rep in range(repeats):
+                for mode in (modes if rep % 2 == 0 else modes[::-1]):
+                    runs[mode].append(measure(b, mode))
+            for mode in modes:
+                ms = sorted(runs[mode], key=lambda m: m["tokens"] / m["seconds"])
+                rates = [m["tokens"] / m["seconds"] for m in ms]
+                med = ms[len(ms) // 2]
+                record(Measurement("grid", name, dtype, b, mode, "held", 0, len(grid_prompts(b)), 0, 0.0),
+                       {**med, "repeats": repeats,
+                        "spread": (rates[-1] - rates[0]) / rates[len(ms) // 2] if repeats > 1 else None})
+
     for name, dtype in variants:
         log(f"{name} ({dtype}) ...")
         if name == "hf":
             runner = HFRunner(model_dir, dtype)
-            for b in batches:
-                for mode in modes:
-                    m = runner.run(grid_prompts(b), b, mode, new_tokens, peak_bw)
-                    record(Measurement("grid", name, dtype, b, mode, "held", 0, len(grid_prompts(b)), 0, 0.0), m)
+            measure_cells(name, dtype, lambda b, mode: runner.run(grid_prompts(b), b, mode, new_tokens, peak_bw))
             del runner
             gc.collect()
             continue
         engine = make_engine(name.split(":")[0], model_dir, dtype, max(batches), max_len, kv_tokens,
                              quantization="int4" if name == "native:int4" else "none")
-        resolved = engine.conditions().get("dtype", dtype)
-        for b in batches:
-            for mode in modes:
-                params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **MODES[mode])
-                m = run_engine(engine, grid_prompts(b), b, params, peak_bw, f"{mode}{b}")
-                record(Measurement("grid", name, resolved, b, mode, "held", 0, len(grid_prompts(b)), 0, 0.0), m)
+        measure_cells(name, engine.conditions().get("dtype", dtype), lambda b, mode: run_engine(
+            engine, grid_prompts(b), b, SamplingParams(max_tokens=new_tokens, ignore_eos=True, **MODES[mode]),
+            peak_bw, f"{mode}{b}"))
         engine.close()
         del engine
         gc.collect()
@@ -281,7 +294,7 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                 gc.collect()
     _compare(results)
     conditions = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": str(model_dir), "cpu": cpu_model(),
-                  "machine": platform.machine(), "cores": os.cpu_count(), "new_tokens": new_tokens,
+                  "machine": platform.machine(), "cores": os.cpu_count(), "new_tokens": new_tokens, "repeats": repeats,
                   "peak_read_bytes_per_s": peak_bw, "probe": probe.get("probe_source"),
                   "torch_threads": _threads(), "packages": package_versions()}
     return results, conditions
@@ -333,17 +346,21 @@ def _fmt(x, spec: str, none: str = "-") -> str:
 
 def format_bench(results: list[Measurement], conditions: dict) -> str:
     c = conditions
-    lines = [f"batchgen bench, one run, {c['date']}: model {Path(c['model']).name}, {c['new_tokens']} new tokens per "
+    reps = c.get("repeats", 1)
+    how = "one run" if reps == 1 else f"one run, each cell measured {reps} times (modes alternating), the median shown"
+    lines = [f"batchgen bench, {how}, {c['date']}: model {Path(c['model']).name}, {c['new_tokens']} new tokens per "
              f"prompt, {c['cpu']} ({c['cores']} cores, torch threads {c['torch_threads']}), probe peak read "
              f"{(c['peak_read_bytes_per_s'] or 0) / 1e9:.1f} GB/s; {c['packages']}",
              "", f"{'engine':<12} {'dtype':<9} {'batch':>5} {'mode':<8} {'tok/s':>8} {'vs best peer':>12} "
-                 f"{'ITL p50 ms':>10} {'p95':>7} {'p99':>7} {'MBU':>5} {'dec MBU':>7} {'agree fp32':>10}"]
+                 f"{'ITL p50 ms':>10} {'p95':>7} {'p99':>7} {'MBU':>5} {'dec MBU':>7} {'agree fp32':>10}"
+                 + (f" {'spread':>6}" if reps > 1 else "")]
     for m in (r for r in results if r.section == "grid"):
         ms = lambda v: _fmt(None if v is None else 1000 * v, ".1f")  # noqa: E731
         lines.append(f"{m.engine:<12} {m.dtype:<9} {m.batch:>5} {m.mode:<8} {m.tok_per_s:>8.1f} "
                      f"{_fmt(m.vs_best_peer, '.2f') + ('x' if m.vs_best_peer else ''):>12} {ms(m.itl_p50_s):>10} {ms(m.itl_p95_s):>7} "
                      f"{ms(m.itl_p99_s):>7} {_fmt(m.mbu, '.2f'):>5} {_fmt(m.decode_mbu, '.2f'):>7} "
-                     f"{_fmt(m.agreement_fp32, '.2f'):>10}")
+                     f"{_fmt(m.agreement_fp32, '.2f'):>10}"
+                     + (f" {_fmt(None if m.spread is None else 100 * m.spread, '.0f') + '%':>6}" if reps > 1 else ""))
     spec = [r for r in results if r.section == "speculative"]
     if spec:
         lines += ["", f"speculative decoding (n-gram), greedy, batch {spec[0].batch}: "

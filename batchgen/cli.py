@@ -67,7 +67,8 @@ def cmd_bench(args) -> int:
         return [e.strip() for e in text.split(",") if e.strip()]
 
     results, conditions = run_bench(resolve_model(args.model), csv(args.engines), [int(b) for b in csv(args.batches)],
-                                    csv(args.modes), args.new_tokens, args.speculative, args.spec_batch)
+                                    csv(args.modes), args.new_tokens, args.speculative, args.spec_batch,
+                                    repeats=args.repeats)
     print(format_bench(results, conditions))
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}.parquet")
     print(f"\nresults: {write_parquet(results, conditions, out)}")
@@ -105,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--engines", default="native,vllm,hf", help="comma-separated: native, vllm, hf")
     bench.add_argument("--batches", default="1,8,64,256", help="requests in flight, comma-separated")
     bench.add_argument("--modes", default="greedy,sampled", help="greedy, sampled (T 0.7, top-p 0.95)")
+    bench.add_argument("--repeats", type=int, default=1,
+                       help="measure each cell N times, modes alternating in order, and keep the median (its "
+                            "spread is printed): a shared machine's noise, seen")
     bench.add_argument("--new-tokens", type=int, default=64)
     bench.add_argument("--speculative", type=int, default=4, help="n-gram draft tokens for the speculation "
                                                                      "section (0: skip it)")

@@ -29,3 +29,13 @@ def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, 
     table = pq.read_table(write_parquet(results, conditions, tmp_path / "bench.parquet"))
     assert table.num_rows == len(results) and {"tok_per_s", "itl_p99_s", "decode_mbu", "conditions"} <= set(
         table.column_names)
+
+
+def test_repeats_alternate_the_modes_and_keep_the_median(tiny_model_dir):
+    results, conditions = run_bench(tiny_model_dir, ["native"], [2], ["greedy", "sampled"], new_tokens=3,
+                                    speculative_k=0, log=lambda *_: None, repeats=3)
+    grid = [m for m in results if m.section == "grid"]
+    assert len(grid) == 2 * len({m.engine for m in grid}) >= 4 and conditions["repeats"] == 3  # x two modes
+    assert all(m.repeats == 3 and m.spread is not None and m.spread >= 0 for m in grid)
+    assert all(m.tokens == m.prompts * 3 for m in grid)
+    assert "the median shown" in format_bench(results, conditions) and "spread" in format_bench(results, conditions)
