@@ -12,7 +12,7 @@ into static buffers; this does the same for the native engine's PyTorch paged pa
   allocator), with one visible key, so it computes finite values that are then dropped; a padding
   pair is assigned to row 0 and masked whole (its first position is past every query), so it adds
   nothing to row 0's softmax;
-- graphs are captured on first use of a bucket, largest first sharing one memory pool, and the
+- a bucket's graph is captured on its first use, all of them sharing one memory pool, and the
   logits come back from the graph's static output.
 
 On CPU there is no graph to capture; `capture=False` runs the same padded, static-buffer step
@@ -27,9 +27,9 @@ import torch
 from batchgen.engine.attention import _FAR, AttentionMetadata, TileGroup
 
 
-def bucket(n: int, floor: int = 1) -> int:
-    """The smallest power of two >= max(n, floor)."""
-    return 1 << (max(n, floor) - 1).bit_length()
+def bucket(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
 
 
 class _Static:
@@ -55,23 +55,20 @@ class _Static:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv, attention, scratch_block: int, max_rows: int, device: str, capture: bool):
+    def __init__(self, model, kv, attention, scratch_block: int, device: str, capture: bool):
         self.model, self.kv, self.attention = model, kv, attention
         self.scratch = scratch_block
-        self.max_rows = bucket(max_rows)
         self.device, self.capture = device, capture
         self.buckets: dict[tuple[int, int], _Static] = {}
         self.pool = None
         self.num_steps = 0  # decode steps run through a bucket (replayed, or eager on CPU)
 
-    def handles(self, num_rows: int) -> bool:
-        return num_rows <= self.max_rows
-
     def run(self, tokens: list[int], positions: list[int], block_idx: list[int], pairs: tuple[list, list, list],
             kt: int) -> torch.Tensor:
         """Logits [R, V] of a decode-only step: R rows (one token each) and their attention pairs."""
         R, n_pairs = len(tokens), len(pairs[0])
-        B, P = bucket(R), bucket(n_pairs + (bucket(R) - R))  # padding rows need one pair each
+        B = bucket(R)
+        P = bucket(n_pairs + B - R)  # each padding row needs a pair of its own
         bs = self.kv.block_size
         st = self.buckets.get((B, P))
         if st is None:

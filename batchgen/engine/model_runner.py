@@ -113,7 +113,7 @@ class ModelRunner:
             else:
                 pf.add(c, base, table, bs, kt_pf)
         self.num_computed_positions += len(tokens)
-        if self.graphs is not None and len(dec_tok) == len(chunks) and self.graphs.handles(len(chunks)):
+        if self.graphs is not None and len(dec_tok) == len(chunks):
             return self.graphs.run(tokens, positions, block_idx, dec_pair, kt_dec)  # decode only: a bucket's graph
         i64 = dict(dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, **i64)

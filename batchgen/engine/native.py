@@ -81,7 +81,7 @@ class NativeEngine(Engine):
         self.runner = ModelRunner(self.model, kv, attention, c.vocab_size, config.device, self.constraints)
         if graphs:
             self.runner.graphs = DecodeGraphs(self.model, kv, attention, scratch_block=num_blocks,
-                                              max_rows=config.max_num_seqs, device=config.device, capture=on_cuda)
+                                              device=config.device, capture=on_cuda)
         self.compile_s = self._compile(config)
         self.proposer = (NgramProposer(config.speculative_ngram, config.prompt_lookup_min, config.prompt_lookup_max)
                          if config.speculative_ngram and config.enable_kv_cache else None)
