@@ -202,7 +202,7 @@ class EngineConfig:
     speculative_ngram: int = 0  # draft tokens per step from n-gram prompt lookup (0: no speculation)
     prompt_lookup_min: int = 2  # shortest n-gram matched
     prompt_lookup_max: int = 4  # longest n-gram matched, tried first
-    compile: str = "auto"  # torch.compile the step's elementwise pieces: on, off, auto (on where it wins: CUDA)
+    compile: str = "auto"  # torch.compile: on, off, auto (where it pays; see batchgen.engine.decode_graphs)
     pack_weights: bool = True  # weights in the kernel's fastest layout (False: the checkpoint's, for A/B)
     quantization: str = "none"  # int4: the layers' matrices as 4-bit weights (native engine, CPU; bf16 activations)
     # decode-only steps padded to static (rows, pairs) buckets and replayed as CUDA graphs; auto: on CUDA

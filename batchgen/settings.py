@@ -98,7 +98,9 @@ class GenerateSettings(BaseModel):
                     "PyTorch paged attention (on CPU, on runs the same buckets without graphs)")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", title="Compile the step (native engine)",
-        description="torch.compile the step's fused elementwise kernels; auto: on CUDA only, where it wins")
+        description="torch.compile (Inductor): on CPU the whole decode step, once per (rows, pairs) bucket; on CUDA "
+                    "the step's elementwise kernels. auto: on CUDA; on CPU a bucket compiles once its eager steps "
+                    "have cost what a compile costs on this machine (long jobs compile, short ones do not)")
     attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
         "auto", title="Attention kernel (native engine)",
         description="auto: FlashInfer's paged kernel on CUDA where installed, else the PyTorch path")

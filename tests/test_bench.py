@@ -14,18 +14,24 @@ def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, 
                                     speculative_k=2, spec_batch=2, log=lambda *_: None)
     grid = [m for m in results if m.section == "grid"]
     assert {(m.engine, m.batch, m.mode) for m in grid} == {
-        (e, b, mode) for e in ("native", "native:auto", "native:int4", "hf") for b in (1, 2)
+        (e, b, mode) for e in ("native", "native:compiled", "native:auto", "native:int4", "hf") for b in (1, 2)
         for mode in ("greedy", "sampled")}
     for m in grid:
         assert m.tokens == m.prompts * 4 and m.seconds > 0  # ignore_eos: every prompt its 4 tokens
         assert m.itl_p50_s <= m.itl_p99_s and m.mbu > 0 and m.vs_best_peer > 0
-    auto = [m for m in grid if m.engine in ("native:auto", "native:int4") and m.mode == "greedy"]
-    assert len(auto) == 4 and all(0 <= m.agreement_fp32 <= 1 for m in auto)
+        # compiled variants compile in an untimed warm-up per batch; the eager ones have none
+        assert (m.compile_s is not None) == (m.engine in ("native:compiled", "native:auto", "native:int4"))
+    assert any(m.compile_s > 0 for m in grid if m.engine == "native:compiled")
+    auto = [m for m in grid if m.engine in ("native:compiled", "native:auto", "native:int4") and m.mode == "greedy"]
+    assert len(auto) == 6 and all(0 <= m.agreement_fp32 <= 1 for m in auto)
+    # compiled fp32 computes what eager fp32 does: the same greedy tokens
+    assert all(m.agreement_fp32 == 1.0 for m in auto if m.engine == "native:compiled")
     spec = [m for m in results if m.section == "speculative"]
     assert {(m.workload, m.speculative_k) for m in spec} == {("copy", 0), ("copy", 2), ("open", 0), ("open", 2)}
     assert all(m.identical_to_off for m in spec if m.speculative_k)  # speculation never changes the output
     text = format_bench(results, conditions)
     assert "targets (this run):" in text and "vs best peer" in text and conditions["cores"] >= 1
+    assert "measured at the start of this run" in text and conditions["peak_read_bytes_per_s"] > 0
     table = pq.read_table(write_parquet(results, conditions, tmp_path / "bench.parquet"))
     assert table.num_rows == len(results) and {"tok_per_s", "itl_p99_s", "decode_mbu", "conditions"} <= set(
         table.column_names)

@@ -1,12 +1,14 @@
-"""The decode step in static buckets (what CUDA graphs replay on GPU): padding rows and pairs must
-never change a token. On CPU the same padded, static-buffer step runs eagerly (there are no CUDA
-graphs to capture here); the capture itself runs only on CUDA."""
+"""The decode step in static buckets (what CUDA graphs replay on GPU, and what Inductor compiles
+whole on CPU): padding rows and pairs must never change a token. On CPU the same padded,
+static-buffer step runs eagerly or compiled (there are no CUDA graphs to capture here); the capture
+itself runs only on CUDA."""
 
 import pytest
 import torch
 
 from batchgen.config import EngineConfig, SamplingParams
-from batchgen.engine.decode_graphs import bucket
+from batchgen.engine import decode_graphs
+from batchgen.engine.decode_graphs import bucket, row_bucket
 from batchgen.engine.native import NativeEngine
 
 from test_engine import run_all
@@ -16,8 +18,12 @@ def test_bucket_is_the_next_power_of_two():
     assert [bucket(n) for n in (1, 2, 3, 5, 8, 9, 33)] == [1, 2, 4, 8, 8, 16, 64]
 
 
-def generate(model_dir, cuda_graphs, dtype="float32", **cfg):
-    e = NativeEngine(model_dir, EngineConfig(max_num_seqs=6, max_model_len=160, dtype=dtype,
+def test_row_buckets_are_powers_of_two_then_multiples_of_eight():
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 33, 64, 65)] == [1, 2, 4, 8, 8, 16, 16, 40, 64, 72]
+
+
+def generate(model_dir, cuda_graphs, dtype="float32", compile="off", **cfg):
+    e = NativeEngine(model_dir, EngineConfig(max_num_seqs=6, max_model_len=160, dtype=dtype, compile=compile,
                                              cuda_graphs=cuda_graphs, block_size=4, **cfg))
     # rows of different lengths and budgets: the batch shrinks as they finish (6, 5, ... 1 rows), so
     # most steps pad rows; contexts of 11 to 117 positions span one or two 64-position key tiles, so
@@ -52,6 +58,50 @@ def test_static_buckets_with_prefix_caching_and_preemption(tiny_model_dir):
     got, on = generate(tiny_model_dir, "on", kv_cache_tokens=144)
     assert got == ref and on.runner.graphs.num_steps > 0
     assert sum(s.num_preempted for s in on.steps_seen) > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_decode_step_gives_the_eager_tokens(tiny_model_dir, dtype, tmp_path, monkeypatch):
+    """--compile on (CPU): Inductor compiles the whole padded decode step once per bucket, the
+    prepacked matmuls called as opaque kernels; the tokens are those of the eager unpadded path."""
+    monkeypatch.setenv("BATCHGEN_HOME", str(tmp_path))
+    ref, off = generate(tiny_model_dir, "off", dtype, compile="off")
+    got, on = generate(tiny_model_dir, "auto", dtype, compile="on")
+    assert off.runner.graphs is None and off.conditions()["compile"] == "off"
+    g = on.runner.graphs
+    assert g.mode == "compile" and g.num_steps > 10 and len(g.buckets) >= 3 and all(
+        st.compiled for st in g.buckets.values())
+    if dtype == "float32":
+        assert got == ref
+    else:  # Inductor rounds a bf16 chain of elementwise ops once (computed in fp32), eager after each op:
+        # the random tiny model's near-flat distributions then sample differently; greedy rows must agree
+        assert {k: v for k, v in got.items() if int(k[1:]) % 2 == 0} == {
+            k: v for k, v in ref.items() if int(k[1:]) % 2 == 0}
+    c = on.conditions()
+    assert c["compile"] == "whole decode step per bucket" and c["compile_s"] == g.compile_s > 0
+    assert "compiled per (rows, pairs) bucket on a bucket's first use" in c["cuda_graphs"]
+    # the compile cost is recorded for this machine: what --compile auto rents against next time
+    assert decode_graphs._estimated_compile_s("cpu") > 0
+
+
+def test_auto_compile_runs_eager_until_a_bucket_has_paid_for_its_compile(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_HOME", str(tmp_path))
+    ref, _ = generate(tiny_model_dir, "off", compile="off")
+    # nothing measured on this machine yet: a compile is assumed to cost UNMEASURED_COMPILE_S, so a
+    # short job never pays for one and every step runs the unpadded eager path
+    got, e = generate(tiny_model_dir, "auto", compile="auto")
+    g = e.runner.graphs
+    assert got == ref and g.mode == "compile" and g.auto
+    assert g.compile_after_s == decode_graphs.UNMEASURED_COMPILE_S / decode_graphs.SAVING
+    assert not g.buckets and g.num_steps == 0 and sum(g.eager_s.values()) > 0 and g.compile_s == 0
+    assert e.conditions()["compile"] == "auto: whole decode step per bucket"
+    # a machine whose compiles are cheap: a bucket compiles once its eager time passes that cost / SAVING
+    decode_graphs._record_compile_s("cpu", 1e-4)
+    got, e = generate(tiny_model_dir, "auto", compile="auto")
+    g = e.runner.graphs
+    assert got == ref and g.compile_after_s == pytest.approx(1e-4 / decode_graphs.SAVING)
+    assert g.buckets and all(g.eager_s[k] >= g.compile_after_s for k in g.buckets)  # rented first, then bought
+    assert g.num_steps > 0 and g.compile_s > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")

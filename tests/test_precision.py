@@ -101,7 +101,8 @@ def test_compiled_step_gives_the_eager_tokens(real_model_dir):
     eager, c_off = run("off")
     compiled, c_on = run("on")
     assert c_off["compile"] == "off" and c_off["compile_s"] is None
-    assert c_on["compile"] == "default" and c_on["compile_s"] > 0
+    # on CPU the whole decode step is compiled per bucket (decode_graphs); fp32 stays the eager tokens
+    assert c_on["compile"] == "whole decode step per bucket" and c_on["compile_s"] > 0
     assert compiled == eager
 
 

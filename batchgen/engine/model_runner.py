@@ -27,7 +27,7 @@ class ModelRunner:
         self.constraints = constraints  # batchgen.engine.structured.GrammarConstraints: masks constrained rows
         self.num_computed_positions = 0  # positions run through the model (the lab's count)
         self.num_exact_fallbacks = 0  # sampled rows whose top-p set reached past the candidates
-        self.graphs = None  # batchgen.engine.decode_graphs.DecodeGraphs: decode-only steps in static buckets
+        self.graphs = None  # batchgen.engine.decode_graphs.DecodeGraphs: decode-only steps in static buckets (graphs, compiled)
 
     def execute(self, chunks: list[Chunk]) -> tuple[list[int], list[tuple[float, list] | None] | None]:
         """Run the step. Returns the sampled tokens of each chunk that reaches its request's end, in
@@ -113,17 +113,21 @@ class ModelRunner:
             else:
                 pf.add(c, base, table, bs, kt_pf)
         self.num_computed_positions += len(tokens)
-        if self.graphs is not None and len(dec_tok) == len(chunks):
-            return self.graphs.run(tokens, positions, block_idx, dec_pair, kt_dec)  # decode only: a bucket's graph
-        i64 = dict(dtype=torch.int64, device=self.device)
-        pos_t = torch.tensor(positions, **i64)
-        meta = AttentionMetadata(
-            decode=_group(dec_tok, dec_pos, None, dec_pair, i64) if dec_tok else None,
-            prefill=pf.group(i64), verify=ver.group(i64),
-            q_lens=[c.num_tokens for c in chunks], seq_lens=[c.start + c.num_tokens for c in chunks],
-            block_tables=[c.request.block_table for c in chunks])
-        return self.model.forward(torch.tensor(tokens, **i64), pos_t, self.kv, torch.tensor(block_idx, **i64),
-                                  pos_t % bs, self.attention, meta, torch.tensor(logits_idx, **i64))
+
+        def dynamic() -> torch.Tensor:  # the step at its own shapes
+            i64 = dict(dtype=torch.int64, device=self.device)
+            pos_t = torch.tensor(positions, **i64)
+            meta = AttentionMetadata(
+                decode=_group(dec_tok, dec_pos, None, dec_pair, i64) if dec_tok else None,
+                prefill=pf.group(i64), verify=ver.group(i64),
+                q_lens=[c.num_tokens for c in chunks], seq_lens=[c.start + c.num_tokens for c in chunks],
+                block_tables=[c.request.block_table for c in chunks])
+            return self.model.forward(torch.tensor(tokens, **i64), pos_t, self.kv, torch.tensor(block_idx, **i64),
+                                      pos_t % bs, self.attention, meta, torch.tensor(logits_idx, **i64))
+
+        if self.graphs is not None and len(dec_tok) == len(chunks):  # decode only: a bucket's static step
+            return self.graphs.run(tokens, positions, block_idx, dec_pair, kt_dec, dynamic)
+        return dynamic()
 
     # ---- the lab's baseline: no cache ------------------------------------------------------------
 

@@ -71,9 +71,8 @@ class NativeEngine(Engine):
         num_blocks = max(1, min(pool_bytes // block_bytes, most_useful))
         self.blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching and config.enable_kv_cache)
         attention = select_backend(config.device, config.attention_backend) if config.enable_kv_cache else None
-        on_cuda = config.device.startswith("cuda")
-        graphs = attention is not None and isinstance(attention, TorchPagedAttention) and (
-            config.cuda_graphs == "on" or (config.cuda_graphs == "auto" and on_cuda))
+        graphs_mode = self._graphs_mode(config, attention)
+        graphs = graphs_mode is not None
         # with decode graphs, one more block than the allocator hands out: the padding rows' scratch block
         kv = (PagedKVCache(c.num_layers, num_blocks + graphs, bs, c.num_kv_heads, c.head_dim, DTYPES[self.dtype],
                            config.device, attention.kv_layout) if attention else None)
@@ -81,7 +80,8 @@ class NativeEngine(Engine):
         self.runner = ModelRunner(self.model, kv, attention, c.vocab_size, config.device, self.constraints)
         if graphs:
             self.runner.graphs = DecodeGraphs(self.model, kv, attention, scratch_block=num_blocks,
-                                              device=config.device, capture=on_cuda)
+                                              device=config.device, mode=graphs_mode,
+                                              compile_after_s=0.0 if config.compile == "on" else None)
         self.compile_s = self._compile(config)
         self.proposer = (NgramProposer(config.speculative_ngram, config.prompt_lookup_min, config.prompt_lookup_max)
                          if config.speculative_ngram and config.enable_kv_cache else None)
@@ -91,12 +91,29 @@ class NativeEngine(Engine):
         self._step_id = 0
         self._ids: set[str] = set()
 
+    @staticmethod
+    def _graphs_mode(config: EngineConfig, attention) -> str | None:
+        """How decode-only steps run in static buckets (batchgen.engine.decode_graphs), or None (not at
+        all). On CUDA: captured graphs (`--cuda-graphs`). On CPU: the whole step compiled per bucket
+        (`--compile on`, or `auto`: once a bucket's eager time would have paid for it), or, with
+        `--cuda-graphs on` and compile not asked for, the padded buckets run eagerly (the GPU path's
+        bucketing, checkable without a GPU)."""
+        if attention is None or not isinstance(attention, TorchPagedAttention):
+            return None  # no cache (the lab), or a kernel that plans on the host each step (FlashInfer)
+        if config.device.startswith("cuda"):
+            return "capture" if config.cuda_graphs in ("on", "auto") else None
+        if config.compile == "on" or (config.compile == "auto" and config.cuda_graphs != "on"):
+            return "compile"
+        return "eager" if config.cuda_graphs == "on" else None
+
     def _compile(self, config: EngineConfig) -> float | None:
-        """`--compile auto` compiles on CUDA only: on CPU, with the matmuls already prepacked, fusing
-        the elementwise ops measured no faster (see `batchgen bench --compile`). Returns the seconds
-        the compile took (paid here, on a warm-up forward, not inside the first step)."""
+        """The step's elementwise pieces compiled (RMSNorm, RoPE, the gated activation): on CUDA with
+        `--compile auto|on`, and on CPU where `--compile on` has no whole step to compile (no KV cache).
+        Where the decode step is compiled whole per bucket (CPU), that is done on each bucket's first use
+        instead (see decode_graphs). Returns the seconds the compile took (paid here, on a warm-up
+        forward, not inside the first step)."""
         on = config.compile == "on" or (config.compile == "auto" and config.device.startswith("cuda"))
-        if not on or self.model.compiled:
+        if not on or self.model.compiled or (self.runner.graphs and self.runner.graphs.mode == "compile"):
             return None
         t0 = time.perf_counter()
         # Inductor's on-disk cache beside the probe's, so a machine compiles once (not once per /tmp)
@@ -177,7 +194,7 @@ class NativeEngine(Engine):
             "max_num_batched_tokens": c.max_num_batched_tokens, "enable_kv_cache": c.enable_kv_cache,
             "attention_backend": self.runner.attention.name if self.runner.attention else "none (recompute)",
             "weight_bytes": self.model.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
-            "compile": self.model.compiled or "off", "compile_s": self.compile_s,
+            "compile": self._compile_condition(), "compile_s": self._compile_seconds(),
             "cuda_graphs": self._graphs_condition(),
             "speculative": ({"method": "ngram", "num_speculative_tokens": c.speculative_ngram,
                              "prompt_lookup_min": c.prompt_lookup_min, "prompt_lookup_max": c.prompt_lookup_max}
@@ -186,11 +203,17 @@ class NativeEngine(Engine):
 
     def _graphs_condition(self) -> str:
         g = self.runner.graphs
-        if g is None:
-            return "off"
-        if not g.capture:
-            return "static buckets, eager (no CUDA graphs on this device)"
-        return f"decode step captured per (rows, pairs) bucket: {len(g.buckets)} graphs, {g.num_steps} replays"
+        return "off" if g is None else g.describe()
+
+    def _compile_condition(self) -> str:
+        g = self.runner.graphs
+        if g is not None and g.mode == "compile":
+            return ("auto: " if g.auto else "") + "whole decode step per bucket"
+        return self.model.compiled or "off"
+
+    def _compile_seconds(self) -> float | None:
+        g = self.runner.graphs
+        return g.compile_s if g is not None and g.mode == "compile" else self.compile_s
 
     # ---- bookkeeping (host side) ---------------------------------------------------------------
 

@@ -16,6 +16,28 @@ import torch.nn.functional as F
 _PACK_HINT = 64  # oneDNN's expected batch for the packing; the packed weight serves every batch
 
 
+def let_inductor_call_prepacked() -> None:
+    """Make Inductor call oneDNN's prepacked linear as an opaque kernel (a "fallback") inside a
+    compiled step, and fuse everything around it. Its own lowering of mkldnn._linear_pointwise accepts
+    only weights it packed itself while freezing a module (graph constants), and ours are packed at
+    load and passed in as inputs. A torch.library custom op would do the same through public API but
+    costs ~13 us more per call (its Python dispatch), ~1.5 ms over a step's 121 matmuls; the fallback
+    costs ~2 us. Replacing the lowering is process-wide: a frozen module compiled later in the same
+    process still runs correctly, with the kernel called unfused."""
+    from torch._inductor import lowering, mkldnn_lowerings  # noqa: F401 - the latter registers the lowering
+
+    # .binary: Inductor's fusion pass folds a residual add into the matmul (y = x W^T + other), which
+    # then needs the same, and a shape function for tracing (PyTorch registers none): other's shape
+    binary = torch.ops.mkldnn._linear_pointwise.binary
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(binary.name(), "Meta"):
+        torch.library.register_fake("mkldnn::_linear_pointwise.binary")(
+            lambda X, other, W, B, attr: other.new_empty(other.shape))
+    for op in (torch.ops.mkldnn._linear_pointwise.default, binary):
+        if lowering.lowerings.get(op) is not None and op not in lowering.fallbacks:
+            lowering.lowerings.pop(op)
+            lowering.make_fallback(op)
+
+
 def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether oneDNN has a packed CPU kernel for this dtype on this machine (checked at run time)."""
     if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():

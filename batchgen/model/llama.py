@@ -194,6 +194,12 @@ class LlamaModel:
         """tokens, positions, block_idx, offset: [T] (a token's K/V goes to slot `offset` of block
         `block_idx`); `attention(q, k_cache, v_cache, meta, scale)` reads the paged cache.
         Returns logits [R, V] at the tokens `logits_idx` [R]."""
+        return self.step(tokens, positions, kv, block_idx, offset, attention, meta, logits_idx)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, kv, block_idx: torch.Tensor,
+             offset: torch.Tensor, attention, meta, logits_idx: torch.Tensor) -> torch.Tensor:
+        """`forward` without its inference mode: what torch.compile traces (under no_grad; Dynamo
+        cannot fake the inference tensors that inference mode creates), see decode_graphs."""
         c = self.config
         T, Hkv, G, D = tokens.shape[0], c.num_kv_heads, self.group, c.head_dim
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, D]
