@@ -9,9 +9,13 @@ tokens (Stanford Alpaca's 175 seed tasks, CC BY-NC, shipped in batchgen/benchmar
 p50/p95/p99 (per-token gaps after the first, pooled), MBU (bytes read per second over the peak the
 hardware probe measured; over the whole run, and over the decode-only steps, which are the
 memory-bound part) and the ratio to the best peer in the same row group. The native engine
-runs in fp32; as `native:auto`, in the dtype `--dtype auto` picks; and as `native:int4`, with 4-bit
-weights and bf16 activations; the last two with their greedy agreement with fp32 (share of tokens
-before each row's first divergence). A speculative-decoding section
+runs in fp32 eager (`native`); with the decode step compiled per bucket (`native:compiled`); as
+`native:auto`, in the dtype `--dtype auto` picks; and as `native:int4`, with 4-bit weights and bf16
+activations; the last three compiled, warmed up untimed per batch (the compile seconds printed),
+with their greedy agreement with eager fp32 (share of tokens before each row's first divergence).
+The native variants are measured interleaved within each cell, so the machine's drift falls on all
+of them; MBU is against the peak read bandwidth measured at the start of the same run. A
+speculative-decoding section
 runs n-gram speculation on and off on a workload that copies from its prompt and on an open-ended
 one, on the native engine and vLLM, with acceptance rates; a slow-down prints as a ratio below 1.
 
@@ -29,6 +33,7 @@ import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from batchgen.config import EngineConfig, SamplingParams
 
@@ -248,47 +253,62 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
             if can_int4("cpu"):  # the 4-bit weight path, measured where it loses too
                 variants.append(("native:int4", "bfloat16", "int4", "on"))
 
-    def measure_cells(name: str, dtype: str, measure, warm_up=None) -> None:
-        """Each batch's modes measured `repeats` times, the order of the modes alternating (greedy first,
-        then sampled first, ...), so a slow patch of a shared machine falls on both; the median kept.
-        `warm_up(b)` first runs the batch once untimed (a compiled engine compiles its buckets there)."""
+    def measure_cells(group: list[tuple[str, str, Callable, Callable | None]]) -> None:
+        """Each batch's cells measured `repeats` times, the median kept. The variants of one engine
+        (the native engine's: eager, compiled, best dtype, int4) are measured interleaved, one after
+        another in each cell, their order rotating with each repeat, and the modes' order alternating
+        (greedy first, then sampled first): a shared machine drifts by tens of percent over minutes,
+        and a slow patch then falls on every variant, not on one. `warm_up(b)` first runs the batch
+        once untimed (a compiled engine compiles its buckets there) and returns the seconds compiled."""
         for b in batches:
-            compile_s = warm_up(b) if warm_up else None
-            runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+            compile_s = {name: warm_up(b) if warm_up else None for name, _, _, warm_up in group}
+            runs: dict[tuple[str, str], list[dict]] = {(name, mode): [] for name, *_ in group for mode in modes}
             for rep in range(repeats):
+                order = group[rep % len(group):] + group[:rep % len(group)]
                 for mode in (modes if rep % 2 == 0 else modes[::-1]):
-                    runs[mode].append(measure(b, mode))
-            for mode in modes:
-                ms = sorted(runs[mode], key=lambda m: m["tokens"] / m["seconds"])
-                rates = [m["tokens"] / m["seconds"] for m in ms]
-                med = ms[len(ms) // 2]
-                record(Measurement("grid", name, dtype, b, mode, "held", 0, len(grid_prompts(b)), 0, 0.0),
-                       {**med, "repeats": repeats, "compile_s": compile_s,
-                        "spread": (rates[-1] - rates[0]) / rates[len(ms) // 2] if repeats > 1 else None})
+                    for name, _, measure, _ in order:
+                        runs[(name, mode)].append(measure(b, mode))
+            for name, dtype, _, _ in group:
+                for mode in modes:
+                    ms = sorted(runs[(name, mode)], key=lambda m: m["tokens"] / m["seconds"])
+                    rates = [m["tokens"] / m["seconds"] for m in ms]
+                    med = ms[len(ms) // 2]
+                    record(Measurement("grid", name, dtype, b, mode, "held", 0, len(grid_prompts(b)), 0, 0.0),
+                           {**med, "repeats": repeats, "compile_s": compile_s[name],
+                            "spread": (rates[-1] - rates[0]) / rates[len(ms) // 2] if repeats > 1 else None})
 
-    for name, dtype, quantization, compile_ in variants:
-        log(f"{name} ({dtype}) ...")
-        if name == "hf":
-            runner = HFRunner(model_dir, dtype)
-            measure_cells(name, dtype, lambda b, mode: runner.run(grid_prompts(b), b, mode, new_tokens, peak_bw))
-            del runner
-            gc.collect()
-            continue
-        engine = make_engine(name.split(":")[0], model_dir, dtype, max(batches), max_len, kv_tokens,
-                             quantization=quantization, compile_=compile_)
+    def engine_cell(engine, compiled: bool) -> tuple[Callable, Callable | None]:
+        def measure(b: int, mode: str) -> dict:
+            return run_engine(engine, grid_prompts(b), b,
+                              SamplingParams(max_tokens=new_tokens, ignore_eos=True, **MODES[mode]), peak_bw,
+                              f"{mode}{b}")
 
         def warm_up(b: int) -> float:
-            """One untimed pass at this batch: the buckets it uses compile here. Returns the seconds compiled."""
             before = engine.conditions().get("compile_s") or 0.0
             run_engine(engine, grid_prompts(b), b, SamplingParams(max_tokens=new_tokens, ignore_eos=True), peak_bw,
                        f"warm{b}")
             return (engine.conditions().get("compile_s") or 0.0) - before
 
-        measure_cells(name, engine.conditions().get("dtype", dtype), lambda b, mode: run_engine(
-            engine, grid_prompts(b), b, SamplingParams(max_tokens=new_tokens, ignore_eos=True, **MODES[mode]),
-            peak_bw, f"{mode}{b}"), warm_up if compile_ == "on" else None)
-        engine.close()
-        del engine
+        return measure, (warm_up if compiled else None)
+
+    for engine_name in engines:
+        group_variants = [v for v in variants if v[0].split(":")[0] == engine_name]
+        log(f"{', '.join(f'{n} ({d})' for n, d, *_ in group_variants)} ...")
+        if engine_name == "hf":
+            runner = HFRunner(model_dir, "float32")
+            measure_cells([("hf", "float32", lambda b, mode: runner.run(grid_prompts(b), b, mode, new_tokens,
+                                                                        peak_bw), None)])
+            del runner
+            gc.collect()
+            continue
+        built = [(name, make_engine(engine_name, model_dir, dtype, max(batches), max_len, kv_tokens,
+                                    quantization=quantization, compile_=compile_), compile_ == "on")
+                 for name, dtype, quantization, compile_ in group_variants]
+        measure_cells([(name, e.conditions().get("dtype", "float32"), *engine_cell(e, compiled))
+                       for name, e, compiled in built])
+        for _, e, _ in built:
+            e.close()
+        del built
         gc.collect()
 
     # speculation: a workload that copies from its prompt, and an open-ended one
