@@ -256,17 +256,17 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
     def measure_cells(group: list[tuple[str, str, Callable, Callable | None]]) -> None:
         """Each batch's cells measured `repeats` times, the median kept. The variants of one engine
         (the native engine's: eager, compiled, best dtype, int4) are measured interleaved, one after
-        another in each cell, their order rotating with each repeat, and the modes' order alternating
-        (greedy first, then sampled first): a shared machine drifts by tens of percent over minutes,
-        and a slow patch then falls on every variant, not on one. `warm_up(b)` first runs the batch
+        another in each cell, their order rotating with each repeat; a variant's two modes run back to
+        back, greedy first or sampled first by turns: a shared machine drifts by tens of percent over
+        minutes, and a slow patch then falls on every variant and on both modes, not on one. `warm_up(b)` first runs the batch
         once untimed (a compiled engine compiles its buckets there) and returns the seconds compiled."""
         for b in batches:
             compile_s = {name: warm_up(b) if warm_up else None for name, _, _, warm_up in group}
             runs: dict[tuple[str, str], list[dict]] = {(name, mode): [] for name, *_ in group for mode in modes}
             for rep in range(repeats):
                 order = group[rep % len(group):] + group[:rep % len(group)]
-                for mode in (modes if rep % 2 == 0 else modes[::-1]):
-                    for name, _, measure, _ in order:
+                for i, (name, _, measure, _) in enumerate(order):  # a variant's modes back to back
+                    for mode in (modes if (rep + i) % 2 == 0 else modes[::-1]):
                         runs[(name, mode)].append(measure(b, mode))
             for name, dtype, _, _ in group:
                 for mode in modes:
