@@ -258,8 +258,9 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
         (the native engine's: eager, compiled, best dtype, int4) are measured interleaved, one after
         another in each cell, their order rotating with each repeat; a variant's two modes run back to
         back, greedy first or sampled first by turns: a shared machine drifts by tens of percent over
-        minutes, and a slow patch then falls on every variant and on both modes, not on one. `warm_up(b)` first runs the batch
-        once untimed (a compiled engine compiles its buckets there) and returns the seconds compiled."""
+        minutes, and a slow patch then falls on every variant and on both modes, not on one.
+        `warm_up(b)` first runs the batch once untimed (a compiled engine compiles its buckets there)
+        and returns the seconds compiled."""
         for b in batches:
             compile_s = {name: warm_up(b) if warm_up else None for name, _, _, warm_up in group}
             runs: dict[tuple[str, str], list[dict]] = {(name, mode): [] for name, *_ in group for mode in modes}

@@ -189,7 +189,8 @@ class DecodeGraphs:
 
     def describe(self) -> str:
         if self.mode == "capture":
-            return f"decode step captured per (rows, pairs) bucket: {len(self.buckets)} graphs, {self.num_steps} replays"
+            return (f"decode step captured per (rows, pairs) bucket: {len(self.buckets)} graphs, "
+                    f"{self.num_steps} replays")
         if self.mode == "eager":
             return "static buckets, eager (no CUDA graphs on this device)"
         when = ("once a bucket's eager steps reach " + f"{self.compile_after_s:.0f} s (compile cost over {SAVING})"
