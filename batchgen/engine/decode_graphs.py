@@ -18,8 +18,8 @@ into static buffers; this does the same for the native engine's PyTorch paged pa
 On CPU there is no graph to capture. There the static shapes serve torch.compile instead
 (mode "compile"): Inductor compiles the whole decode step once per bucket, fusing the norms, RoPE,
 the KV write and the attention's gathers, masks and split softmax into a few C++ kernels around the
-prepacked matmuls (called as opaque kernels, batchgen.model.linear). Measured on a 2-core Zen 4 with SmolLM2-135M
-fp32: 1.2-1.4x the eager step at batch 1, 8 and 64. A compile costs seconds (Dynamo traces every
+prepacked matmuls (called as opaque kernels, batchgen.model.linear). Measured on a 2-core Zen 4
+with SmolLM2-135M fp32: 1.2-1.4x the eager step at batch 1, 8 and 64. A compile costs seconds (Dynamo traces every
 layer: ~4-6 s a bucket with Inductor's cache warm, a minute or more cold), so `--compile auto` rents
 before it buys: a bucket runs the dynamic (unpadded) path until the time spent there would have paid
 for its compile (the compile cost measured last on this machine, over the saving, SAVING), then
@@ -32,14 +32,13 @@ dynamic path.
 from __future__ import annotations
 
 import json
-import os
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from batchgen.engine.attention import _FAR, AttentionMetadata, TileGroup
+from batchgen.metrics.probe import machine_record, write_record
 from batchgen.model.linear import let_inductor_call_prepacked
 
 SAVING = 0.25  # the fraction of an eager step a compiled one saves (measured 0.17-0.30, see above)
@@ -98,14 +97,14 @@ class DecodeGraphs:
         self.auto = compile_after_s is None
         self.compile_after_s = compile_after_s if compile_after_s is not None else _estimated_compile_s(device) / SAVING
         self.eager_s: dict[tuple[int, int], float] = {}  # seconds of dynamic steps per bucket not yet compiled
-        self.compiled = None
+        self.compiled_step = None
         if mode == "compile":
             let_inductor_call_prepacked()
             # one compiled function, one specialisation per bucket: raise Dynamo's default of 8
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
             torch._dynamo.config.accumulated_recompile_limit = max(
                 torch._dynamo.config.accumulated_recompile_limit, 4096)
-            self.compiled = torch.compile(self._step, dynamic=False)
+            self.compiled_step = torch.compile(self._step, dynamic=False)
 
     def run(self, tokens: list[int], positions: list[int], block_idx: list[int], pairs: tuple[list, list, list],
             kt: int, dynamic: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -168,7 +167,7 @@ class DecodeGraphs:
 
     def _compiled_step(self, st: _Static) -> torch.Tensor:
         with torch.no_grad():  # not inference mode: Dynamo cannot fake the inference tensors it makes
-            return self.compiled(st)
+            return self.compiled_step(st)
 
     def _forward(self, st: _Static) -> torch.Tensor:
         return self.model.forward(st.tokens, st.positions, self.kv, st.block_idx, st.offset, self.attention,
@@ -201,26 +200,13 @@ class DecodeGraphs:
 
 # ---- the compile cost measured on this machine (what `--compile auto` rents against) ----------------
 
-def _compile_record(device: str) -> Path:
-    from batchgen.metrics.probe import machine_key
-
-    home = Path(os.environ.get("BATCHGEN_HOME", Path.home() / ".cache" / "batchgen"))
-    return home / "probe" / f"{machine_key(device)}-compile.json"
-
-
 def _estimated_compile_s(device: str) -> float:
     try:
-        return float(json.loads(_compile_record(device).read_text())["seconds"])
+        return float(json.loads(machine_record("-compile", device).read_text())["seconds"])
     except (OSError, ValueError, KeyError, TypeError):
         return UNMEASURED_COMPILE_S
 
 
 def _record_compile_s(device: str, seconds: float) -> None:
-    path = _compile_record(device)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"seconds": seconds, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: the next process assumes the default again
+    write_record(machine_record("-compile", device),
+                 {"seconds": seconds, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})

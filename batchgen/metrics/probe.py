@@ -67,23 +67,33 @@ def cached_probe(device: str = "cpu", cache_dir: Path | None = None) -> dict[str
     return cached_measurement("", device, probe_device, cache_dir, prefix="probe")
 
 
-def cached_measurement(name: str, device: str, measure, cache_dir: Path | None = None,
-                       prefix: str = "probe") -> dict:
-    """`measure(device)`'s JSON-able dict for this machine: measured once, then read from
-    BATCHGEN_HOME/probe/<machine key><name>.json (BATCHGEN_REPROBE=1 measures again)."""
+def machine_record(name: str, device: str, cache_dir: Path | None = None) -> Path:
+    """Where a figure measured on this machine is kept: BATCHGEN_HOME/probe/<machine key><name>.json."""
     home = Path(os.environ.get("BATCHGEN_HOME", Path.home() / ".cache" / "batchgen"))
-    path = (cache_dir or home / "probe") / f"{machine_key(device)}{name}.json"
-    if path.is_file() and not os.environ.get("BATCHGEN_REPROBE"):
-        try:
-            return {**json.loads(path.read_text()), f"{prefix}_source": f"cached ({path})"}
-        except (OSError, ValueError):
-            pass  # unreadable: measure again
-    figures = {**measure(device), f"{prefix}_measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return (cache_dir or home / "probe") / f"{machine_key(device)}{name}.json"
+
+
+def write_record(path: Path, figures: dict) -> None:
+    """Write a record atomically (readers never see half a file); a read-only home keeps nothing."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp-{os.getpid()}")
         tmp.write_text(json.dumps(figures))
         os.replace(tmp, path)
     except OSError:
-        pass  # a read-only home: measure every time
+        pass
+
+
+def cached_measurement(name: str, device: str, measure, cache_dir: Path | None = None,
+                       prefix: str = "probe") -> dict:
+    """`measure(device)`'s JSON-able dict for this machine: measured once, then read from its
+    `machine_record` (BATCHGEN_REPROBE=1 measures again)."""
+    path = machine_record(name, device, cache_dir)
+    if path.is_file() and not os.environ.get("BATCHGEN_REPROBE"):
+        try:
+            return {**json.loads(path.read_text()), f"{prefix}_source": f"cached ({path})"}
+        except (OSError, ValueError):
+            pass  # unreadable: measure again
+    figures = {**measure(device), f"{prefix}_measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    write_record(path, figures)  # a read-only home: measured every time
     return {**figures, f"{prefix}_source": "measured in this run"}
