@@ -7,8 +7,15 @@ Pydantic is kept to the edges (CLI/YAML, flow parameters); these are plain datac
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
+
+
+def batchgen_home() -> Path:
+    """Where this machine's models, measured figures and compiled kernels are kept (BATCHGEN_HOME)."""
+    return Path(os.environ.get("BATCHGEN_HOME", Path.home() / ".cache" / "batchgen"))
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 ROPE_TYPES = ("default", "linear", "llama3")

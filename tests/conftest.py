@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from pathlib import Path
 
@@ -10,8 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batchgen.config import batchgen_home
+
 REPO = Path(__file__).resolve().parent.parent
 TEST_DATA = Path(__file__).resolve().parent / "data"  # in the repo, with its licence (data/README.md)
+# Inductor's compile cache: the machine's, shared by every test as a user's runs share it (the engine sets
+# it on its first compile, and would otherwise pick the tmp BATCHGEN_HOME of whichever test ran first)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(batchgen_home() / "inductor"))
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 

@@ -103,6 +103,7 @@ class DecodeGraphs:
         self.compile_after_s = compile_after_s if compile_after_s is not None else _estimated_compile_s(device) / SAVING
         self.eager_s: dict[tuple[int, int], float] = {}  # seconds of dynamic steps per bucket not yet compiled
         self.compiled_step = None
+        self.failed: str | None = None  # why a compile failed under auto (the dynamic path serves from then on)
         if mode == "compile":
             let_inductor_call_prepacked()
             # one compiled function, one specialisation per bucket: raise Dynamo's default of 8
@@ -118,6 +119,8 @@ class DecodeGraphs:
         R, n_pairs = len(tokens), len(pairs[0])
         B = row_bucket(R)
         P = bucket(n_pairs + B - R)  # each padding row needs a pair of its own
+        if self.failed:
+            return dynamic()
         st = self.buckets.get((B, P))
         if st is None and self.mode == "compile":
             spent = self.eager_s.get((B, P), 0.0)
@@ -136,7 +139,13 @@ class DecodeGraphs:
             if st.compiled:
                 return self._compiled_step(st)[:R]
             t0 = time.perf_counter()  # this bucket's first call compiles it
-            out = self._compiled_step(st)
+            try:
+                out = self._compiled_step(st)
+            except Exception as e:  # no C++ compiler, an Inductor bug: under auto, a run must not die of it
+                if not self.auto:
+                    raise
+                self.failed = f"{type(e).__name__}: {str(e)[:200]}"
+                return dynamic()
             took = time.perf_counter() - t0
             st.compiled, self.compile_s = True, self.compile_s + took
             _record_compile_s(self.device, took)

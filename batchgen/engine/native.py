@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 import batchgen
-from batchgen.config import EngineConfig, SamplingParams, derive_seed
+from batchgen.config import EngineConfig, SamplingParams, batchgen_home, derive_seed
 from batchgen.engine.attention import TorchPagedAttention, select_backend
 from batchgen.engine.base import Engine, FinishedRequest, RequestRejected, StepResult, monotonic_clock
 from batchgen.engine.block_manager import BlockManager
@@ -78,6 +78,8 @@ class NativeEngine(Engine):
                            config.device, attention.kv_layout) if attention else None)
         self.constraints = GrammarConstraints(model_dir, c.vocab_size, sorted(self.eos_token_ids))
         self.runner = ModelRunner(self.model, kv, attention, c.vocab_size, config.device, self.constraints)
+        if config.compile != "off":  # Inductor's on-disk cache beside the probe's: a machine compiles once
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(batchgen_home() / "inductor"))
         if graphs:
             self.runner.graphs = DecodeGraphs(self.model, kv, attention, scratch_block=num_blocks,
                                               device=config.device, mode=graphs_mode,
@@ -116,9 +118,6 @@ class NativeEngine(Engine):
         if not on or self.model.compiled or (self.runner.graphs and self.runner.graphs.mode == "compile"):
             return None
         t0 = time.perf_counter()
-        # Inductor's on-disk cache beside the probe's, so a machine compiles once (not once per /tmp)
-        home = Path(os.environ.get("BATCHGEN_HOME", Path.home() / ".cache" / "batchgen"))
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(home / "inductor"))
         # on CUDA, Inductor's reduce-overhead mode records the compiled kernels as CUDA graphs, unless the
         # whole decode step is captured (decode_graphs): graphs inside that capture would nest
         whole_step = self.runner.graphs is not None and self.runner.graphs.capture
@@ -208,7 +207,8 @@ class NativeEngine(Engine):
     def _compile_condition(self) -> str:
         g = self.runner.graphs
         if g is not None and g.mode == "compile":
-            return ("auto: " if g.auto else "") + "whole decode step per bucket"
+            return ("auto: " if g.auto else "") + "whole decode step per bucket" + (
+                f"; failed ({g.failed}), eager" if g.failed else "")
         return self.model.compiled or "off"
 
     def _compile_seconds(self) -> float | None:

@@ -13,6 +13,8 @@ import os
 import time
 from pathlib import Path
 
+from batchgen.config import batchgen_home
+
 PROBE_VERSION = 1  # bump when the measurement changes, so old cached figures are not reused
 
 
@@ -69,7 +71,7 @@ def cached_probe(device: str = "cpu", cache_dir: Path | None = None) -> dict[str
 
 def machine_record(name: str, device: str, cache_dir: Path | None = None) -> Path:
     """Where a figure measured on this machine is kept: BATCHGEN_HOME/probe/<machine key><name>.json."""
-    home = Path(os.environ.get("BATCHGEN_HOME", Path.home() / ".cache" / "batchgen"))
+    home = batchgen_home()
     return (cache_dir or home / "probe") / f"{machine_key(device)}{name}.json"
 
 

@@ -13,6 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from batchgen.config import batchgen_home
 from batchgen.model.loader import ModelLoadError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -22,7 +23,7 @@ ALIASES = {DEFAULT_MODEL: "SmolLM2-135M-Instruct", "smollm2-135m-instruct": "Smo
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("BATCHGEN_HOME", Path.home() / ".cache" / "batchgen")) / "models"
+    return batchgen_home() / "models"
 
 
 def gguf_path() -> Path:
