@@ -21,6 +21,10 @@ def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, 
         assert m.itl_p50_s <= m.itl_p99_s and m.mbu > 0 and m.vs_best_peer > 0
         # compiled variants compile in an untimed warm-up per batch; the eager ones have none
         assert (m.compile_s is not None) == (m.engine in ("native:compiled", "native:auto", "native:int4"))
+        # the native engine's time choosing tokens, a share of its decode steps; the peer reports none
+        native = m.engine.startswith("native")
+        assert (0 < m.sample_share < 1 and m.decode_mbu_p50 > 0) if native else m.sample_share is None
+        assert m.step_itl_p50_s > 0
     assert any(m.compile_s > 0 for m in grid if m.engine == "native:compiled")
     auto = [m for m in grid if m.engine in ("native:compiled", "native:auto", "native:int4") and m.mode == "greedy"]
     assert len(auto) == 6 and all(0 <= m.agreement_fp32 <= 1 for m in auto)
@@ -32,6 +36,8 @@ def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, 
     text = format_bench(results, conditions)
     assert "targets (this run):" in text and "vs best peer" in text and conditions["cores"] >= 1
     assert "measured at the start of this run" in text and conditions["peak_read_bytes_per_s"] > 0
+    assert "batch 1 fp32 decode MBU at the median step" in text and "sampled / greedy (native fp32), median " \
+        "decode step" in text and "of the decode steps sampled" in text
     table = pq.read_table(write_parquet(results, conditions, tmp_path / "bench.parquet"))
     assert table.num_rows == len(results) and {"tok_per_s", "itl_p99_s", "decode_mbu", "conditions"} <= set(
         table.column_names)

@@ -8,6 +8,8 @@ the final `.tolist()` of the sampled tokens.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from batchgen.engine.attention import DECODE_KEYS, PREFILL_KEYS, PREFILL_TILE, _FAR, AttentionMetadata, TileGroup
@@ -27,6 +29,10 @@ class ModelRunner:
         self.constraints = constraints  # batchgen.engine.structured.GrammarConstraints: masks constrained rows
         self.num_computed_positions = 0  # positions run through the model (the lab's count)
         self.num_exact_fallbacks = 0  # sampled rows whose top-p set reached past the candidates
+        # host seconds choosing tokens from logits (argmax, or the sampler and its exact fallback): on CPU
+        # their compute, which the bench reports as a share of the decode steps; on CUDA mostly launches
+        # (the kernels run asynchronously until the step's one sync). Logprobs are not included.
+        self.sample_s = 0.0
         self.graphs = None  # batchgen.engine.decode_graphs.DecodeGraphs: decode-only steps in static buckets (graphs, compiled)
 
     def execute(self, chunks: list[Chunk]) -> tuple[list[int], list[tuple[float, list] | None] | None]:
@@ -51,12 +57,14 @@ class ModelRunner:
         if self.constraints is not None and self.constraints.matchers:
             masked = logits.clone()  # a copy: logprobs stay those of the raw distribution
             self.constraints.mask(masked, [r.request_id for r in sampling])
+        t0 = time.perf_counter()
         tokens, short = self._sample(masked, sampling, offsets)
         wants = [r.sampling.logprobs for r in sampling]
         if all(k is None for k in wants):
             toks = tokens.tolist()  # the one host sync
             if short is not None and -1 in toks:  # a flat distribution reached past the candidates
                 toks = self._exact(masked, sampling, offsets, toks)
+            self.sample_s += time.perf_counter() - t0
             return toks, None
         if short is not None:  # logprobs gather at the chosen tokens: resolve flagged rows first
             toks = tokens.tolist()

@@ -135,6 +135,11 @@ class NativeEngine(Engine):
         """Positions run through the model (the lab's count)."""
         return self.runner.num_computed_positions
 
+    @property
+    def sample_seconds(self) -> float:
+        """Seconds spent choosing tokens from logits so far (argmax or the sampler; see ModelRunner)."""
+        return self.runner.sample_s
+
     # ---- the interface -------------------------------------------------------------------------
 
     def add(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
