@@ -20,6 +20,7 @@ from batchgen.config import EngineConfig, SamplingParams, batchgen_home, derive_
 from batchgen.engine.attention import TorchPagedAttention, select_backend
 from batchgen.engine.base import Engine, FinishedRequest, RequestRejected, StepResult, monotonic_clock
 from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.cpu import flush_denormals
 from batchgen.engine.decode_graphs import DecodeGraphs
 from batchgen.engine.kv_cache import PagedKVCache, free_memory_bytes
 from batchgen.engine.model_runner import ModelRunner
@@ -44,11 +45,9 @@ class NativeEngine(Engine):
         for a benchmark (batchgen.model.random_init); then config.dtype is the model's."""
         self.config = config
         self.model_dir = Path(model_dir)
-        # Subnormal floats (below 1.2e-38 in fp32) take a slow microcode path on x86; sampled text made
-        # them common enough in the forward that a batch-8 step ran 12% slower sampled than greedy
-        # (40 vs 45 ms, SmolLM2-135M fp32, 2-core Zen 4); flushed, 35 ms both. Process-wide, as HF and
-        # vLLM in the same process then compute the same way; a value that small is zero to a logit.
-        self.flush_denormal = config.device == "cpu" and torch.set_flush_denormal(True)
+        # subnormal floats flushed to zero, on every thread (batchgen.engine.cpu): process-wide, so HF
+        # and vLLM in the same process then compute the same way
+        self.flush_denormal = config.device == "cpu" and flush_denormals()
         c = model.config if model is not None else read_model_config(model_dir)
         self.max_model_len = min(config.max_model_len, c.max_position_embeddings)
         if model is not None:
