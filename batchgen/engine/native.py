@@ -20,7 +20,6 @@ from batchgen.config import EngineConfig, SamplingParams, batchgen_home, derive_
 from batchgen.engine.attention import TorchPagedAttention, select_backend
 from batchgen.engine.base import Engine, FinishedRequest, RequestRejected, StepResult, monotonic_clock
 from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.cpu import flush_denormals
 from batchgen.engine.decode_graphs import DecodeGraphs
 from batchgen.engine.kv_cache import PagedKVCache, free_memory_bytes
 from batchgen.engine.model_runner import ModelRunner
@@ -45,9 +44,6 @@ class NativeEngine(Engine):
         for a benchmark (batchgen.model.random_init); then config.dtype is the model's."""
         self.config = config
         self.model_dir = Path(model_dir)
-        # subnormal floats flushed to zero, on every thread (batchgen.engine.cpu): process-wide, so HF
-        # and vLLM in the same process then compute the same way
-        self.flush_denormal = config.device == "cpu" and flush_denormals()
         c = model.config if model is not None else read_model_config(model_dir)
         self.max_model_len = min(config.max_model_len, c.max_position_embeddings)
         if model is not None:
@@ -195,7 +191,6 @@ class NativeEngine(Engine):
             "dtype": self.dtype, "dtype_choice": self.dtype_choice, "weight_layout": self.model.weight_layout,
             "quantization": (f"int4 weight-only, group {INT4_GROUP}, scale+zero (layers; head {self.dtype})"
                              if c.quantization == "int4" else None), "device": c.device, "torch_threads": torch.get_num_threads(),
-            "flush_denormal": self.flush_denormal,
             "max_num_seqs": c.max_num_seqs, "max_model_len": self.max_model_len,
             "kv_budget_tokens": self.blocks.num_blocks * self.blocks.block_size, "kv_block_size": self.blocks.block_size,
             "kv_num_blocks": self.blocks.num_blocks, "kv_cache_bytes": kv.nbytes if kv else 0,
