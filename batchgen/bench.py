@@ -17,8 +17,9 @@ The native variants are measured interleaved within each cell, so the machine's 
 of them; MBU is against the peak read bandwidth measured at the start of the same run. The
 "pick %" column is the native engine's time choosing tokens (argmax, or the sampler) as a share of
 its decode steps. The targets are judged at the median decode step (median over the repeats), with
-the whole-run figures beside them (see `targets`). A speculative-decoding section runs n-gram speculation on and off on a workload that copies from its prompt and on an open-ended
-one, on the native engine and vLLM, with acceptance rates; a slow-down prints as a ratio below 1.
+the whole-run figures beside them (see `targets`). A speculative-decoding section runs n-gram
+speculation on and off on a workload that copies from its prompt and on an open-ended one, on the
+native engine and vLLM, with acceptance rates; a slow-down prints as a ratio below 1.
 
 Start-up (model load, vLLM's engine core) is excluded; prefill is included. Everything lands in one
 Parquet file (`--out`), one row per measurement, with the conditions. Machines are shared and noisy:
