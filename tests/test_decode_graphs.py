@@ -118,13 +118,14 @@ def test_a_compile_that_fails_under_auto_falls_back_to_the_eager_step(tiny_model
 
     monkeypatch.setenv("BATCHGEN_HOME", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # cold: the compiler must run
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
     torch._dynamo.reset()  # nor steps compiled by earlier tests in this process
     decode_graphs._record_compile_s("cpu", 1e-4)  # cheap compiles on record: auto compiles at once
     ref, _ = generate(tiny_model_dir, "off", compile="off")
-    got, e = generate(tiny_model_dir, "auto", compile="auto")
-    g = e.runner.graphs
-    assert got == ref and "InvalidCxxCompiler" in g.failed and g.compile_s == 0
-    assert e.conditions()["compile"].startswith("auto: whole decode step per bucket; failed (")
-    with pytest.raises(Exception):
-        generate(tiny_model_dir, "auto", compile="on")
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}):  # (Inductor's own patcher restores it)
+        got, e = generate(tiny_model_dir, "auto", compile="auto")
+        g = e.runner.graphs
+        assert got == ref and "InvalidCxxCompiler" in g.failed and g.compile_s == 0
+        assert e.conditions()["compile"].startswith("auto: whole decode step per bucket; failed (")
+        with pytest.raises(Exception):
+            generate(tiny_model_dir, "auto", compile="on")
+    torch._dynamo.reset()
