@@ -9,7 +9,8 @@ tokens (Stanford Alpaca's 175 seed tasks, CC BY-NC, shipped in batchgen/benchmar
 p50/p95/p99 (per-token gaps after the first, pooled), MBU (bytes read per second over the peak the
 hardware probe measured; over the whole run, and over the decode-only steps, which are the
 memory-bound part) and the ratio to the best peer in the same row group. The native engine
-runs in fp32 eager (`native`); with the decode step compiled per bucket (`native:compiled`); as
+runs in fp32 eager (`native`); with the decode step compiled per bucket (`native:compiled`); the
+same with oneDNN's matmul in place of batchgen's gemv kernel (`native:onednn`, where gemv is in use); as
 `native:auto`, in the dtype `--dtype auto` picks; and as `native:int4`, with 4-bit weights and bf16
 activations; the last three compiled, warmed up untimed per batch (the compile seconds printed),
 with their greedy agreement with eager fp32 (share of tokens before each row's first divergence).
@@ -155,14 +156,15 @@ def run_engine(engine, prompt_ids: list[list[int]], batch: int, params: Sampling
 
 
 def make_engine(name: str, model_dir, dtype: str, max_num_seqs: int, max_model_len: int, kv_tokens: int,
-                k: int = 0, quantization: str = "none", compile_: str = "off"):
+                k: int = 0, quantization: str = "none", compile_: str = "off", fp32_kernel: str = "auto"):
     from batchgen.engine import create_engine
 
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype, quantization=quantization,
                        compile=compile_ if name == "native" else "auto",
                        kv_cache_tokens=kv_tokens,  # room for every row in flight: no preemption
                        max_num_batched_tokens=max(4096, max_model_len), speculative_ngram=k,
-                       enable_prefix_caching=False)  # the variants share no prefix; keep it a pure decode test
+                       enable_prefix_caching=False,  # the variants share no prefix; keep it a pure decode test
+                       fp32_kernel=fp32_kernel)
     return create_engine(name, model_dir, cfg)
 
 
@@ -263,16 +265,18 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
         return m
 
     # the grid: engines x batch x mode
-    from batchgen.model.linear import can_int4
+    from batchgen.model.linear import can_int4, fp32_kernel
 
-    variants = []  # (name, dtype, quantization, compile)
+    variants = []  # (name, dtype, quantization, compile, fp32 kernel)
     for name in engines:
-        variants.append((name, "float32", "none", "off"))
+        variants.append((name, "float32", "none", "off", "auto"))
         if name == "native":  # eager above; below, the decode step compiled per bucket (warmed up first)
-            variants.append(("native:compiled", "float32", "none", "on"))
-            variants.append(("native:auto", "auto", "none", "on"))
+            variants.append(("native:compiled", "float32", "none", "on", "auto"))
+            if fp32_kernel("auto", "cpu")[0] is not None:  # fp32 runs batchgen's gemv: oneDNN's as its peer
+                variants.append(("native:onednn", "float32", "none", "on", "onednn"))
+            variants.append(("native:auto", "auto", "none", "on", "auto"))
             if can_int4("cpu"):  # the 4-bit weight path, measured where it loses too
-                variants.append(("native:int4", "bfloat16", "int4", "on"))
+                variants.append(("native:int4", "bfloat16", "int4", "on", "auto"))
 
     def measure_cells(group: list[tuple[str, str, Callable, Callable | None]]) -> None:
         """Each batch's cells measured `repeats` times, the median kept. The variants of one engine
@@ -326,8 +330,8 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
             gc.collect()
             continue
         built = [(name, make_engine(engine_name, model_dir, dtype, max(batches), max_len, kv_tokens,
-                                    quantization=quantization, compile_=compile_), compile_ == "on")
-                 for name, dtype, quantization, compile_ in group_variants]
+                                    quantization=quantization, compile_=compile_, fp32_kernel=kernel), compile_ == "on")
+                 for name, dtype, quantization, compile_, kernel in group_variants]
         measure_cells([(name, e.conditions().get("dtype", "float32"), *engine_cell(e, compiled))
                        for name, e, compiled in built])
         for _, e, _ in built:
@@ -376,7 +380,7 @@ def _compare(results: list[Measurement]) -> None:
         peers = [p.tok_per_s for p in grid if (p.batch, p.mode) == (m.batch, m.mode)
                  and p.engine.split(":")[0] != m.engine.split(":")[0]]
         m.vs_best_peer = m.tok_per_s / max(peers) if peers else None
-        if m.engine in ("native:compiled", "native:auto", "native:int4") and m.mode == "greedy":
+        if m.engine.startswith("native:") and m.mode == "greedy":  # every variant against eager fp32
             ref = next((p for p in grid if (p.engine, p.batch, p.mode) == ("native", m.batch, "greedy")), None)
             m.agreement_fp32 = agreement(ref.outputs, m.outputs) if ref else None
     for m in results:
@@ -466,6 +470,11 @@ def targets(results: list[Measurement]) -> list[str]:
         out.append(f"  batch 1 fp32 decode MBU at the median step ({one.engine}): {one.decode_mbu_p50:.2f} "
                    f"(target 0.60) {'met' if one.decode_mbu_p50 >= 0.6 else 'MISSED'}; over all decode steps "
                    f"{_fmt(one.decode_mbu, '.2f')}, whole run with prefill {_fmt(one.mbu, '.2f')}")
+    for b in sorted({m.batch for m in results if m.section == "grid"}):  # the fp32 kernels, side by side
+        g, o = get("native:compiled", b, "greedy"), get("native:onednn", b, "greedy")
+        if g and o and g.step_itl_p50_s and o.step_itl_p50_s:
+            out.append(f"  batch {b} fp32 greedy, gemv kernel / oneDNN's (compiled), median decode step: "
+                       f"{o.step_itl_p50_s / g.step_itl_p50_s:.2f}x; whole runs (tok/s) {g.tok_per_s / o.tok_per_s:.2f}x")
     for engine in ("native", "native:compiled"):
         for b in sorted({m.batch for m in results if m.section == "grid"}):
             g, s = get(engine, b, "greedy"), get(engine, b, "sampled")

@@ -18,6 +18,8 @@ TEST_DATA = Path(__file__).resolve().parent / "data"  # in the repo, with its li
 # Inductor's compile cache: the machine's, shared by every test as a user's runs share it (the engine sets
 # it on its first compile, and would otherwise pick the tmp BATCHGEN_HOME of whichever test ran first)
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(batchgen_home() / "inductor"))
+# the same for the float32 gemv kernel built on this machine (batchgen.model.gemv)
+os.environ.setdefault("BATCHGEN_KERNEL_DIR", str(batchgen_home() / "kernels"))
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 

@@ -5,6 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.bench import format_bench, run_bench, write_parquet
+from batchgen.model.linear import fp32_kernel
 
 pytestmark = pytest.mark.slow
 
@@ -13,21 +14,23 @@ def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, 
     results, conditions = run_bench(tiny_model_dir, ["native", "hf"], [1, 2], ["greedy", "sampled"], new_tokens=4,
                                     speculative_k=2, spec_batch=2, log=lambda *_: None)
     grid = [m for m in results if m.section == "grid"]
+    # where fp32 runs batchgen's gemv kernel, oneDNN's is measured beside it (compiled)
+    gemv_on = fp32_kernel("auto", "cpu")[0] is not None
+    compiled = ("native:compiled",) + ("native:onednn",) * gemv_on + ("native:auto", "native:int4")
     assert {(m.engine, m.batch, m.mode) for m in grid} == {
-        (e, b, mode) for e in ("native", "native:compiled", "native:auto", "native:int4", "hf") for b in (1, 2)
-        for mode in ("greedy", "sampled")}
+        (e, b, mode) for e in ("native", *compiled, "hf") for b in (1, 2) for mode in ("greedy", "sampled")}
     for m in grid:
         assert m.tokens == m.prompts * 4 and m.seconds > 0  # ignore_eos: every prompt its 4 tokens
         assert m.itl_p50_s <= m.itl_p99_s and m.mbu > 0 and m.vs_best_peer > 0
         # compiled variants compile in an untimed warm-up per batch; the eager ones have none
-        assert (m.compile_s is not None) == (m.engine in ("native:compiled", "native:auto", "native:int4"))
+        assert (m.compile_s is not None) == (m.engine in compiled)
         # the native engine's time choosing tokens, a share of its decode steps; the peer reports none
         native = m.engine.startswith("native")
         assert (0 < m.sample_share < 1 and m.decode_mbu_p50 > 0) if native else m.sample_share is None
         assert m.step_itl_p50_s > 0
     assert any(m.compile_s > 0 for m in grid if m.engine == "native:compiled")
-    auto = [m for m in grid if m.engine in ("native:compiled", "native:auto", "native:int4") and m.mode == "greedy"]
-    assert len(auto) == 6 and all(0 <= m.agreement_fp32 <= 1 for m in auto)
+    auto = [m for m in grid if m.engine in compiled and m.mode == "greedy"]
+    assert len(auto) == 2 * len(compiled) and all(0 <= m.agreement_fp32 <= 1 for m in auto)
     # compiled fp32 computes what eager fp32 does: the same greedy tokens
     assert all(m.agreement_fp32 == 1.0 for m in auto if m.engine == "native:compiled")
     spec = [m for m in results if m.section == "speculative"]
@@ -38,6 +41,7 @@ def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, 
     assert "measured at the start of this run" in text and conditions["peak_read_bytes_per_s"] > 0
     assert "batch 1 fp32 decode MBU at the median step" in text and "sampled / greedy (native fp32), median " \
         "decode step" in text and "of the decode steps sampled" in text
+    assert ("gemv kernel / oneDNN's (compiled), median decode step" in text) == gemv_on
     table = pq.read_table(write_parquet(results, conditions, tmp_path / "bench.parquet"))
     assert table.num_rows == len(results) and {"tok_per_s", "itl_p99_s", "decode_mbu", "conditions"} <= set(
         table.column_names)

@@ -149,6 +149,9 @@ def test_real_model_greedy_matches_hf_at_batch_1_and_continuous_batching(real_mo
     assert concurrency == 4  # sequences joined and left mid-run
     assert one == ref
     assert many == ref
+    # the same with oneDNN's fp32 matmul, where the default is batchgen's gemv kernel (batchgen.model.gemv)
+    onednn, _ = engine_greedy(real_model_dir, real_prompt_ids, max_new, max_num_seqs=4, fp32_kernel="onednn")
+    assert onednn == ref
     stats = {}
     packed, _ = engine_greedy(real_model_dir, real_prompt_ids, max_new, max_num_seqs=8, kv_cache_tokens=256,
                               max_num_batched_tokens=48, stats=stats)

@@ -57,7 +57,8 @@ class NativeEngine(Engine):
             else:
                 self.dtype, self.dtype_choice = resolve_dtype(config.dtype, config.device, config.max_num_seqs)
             self.model = load_model(model_dir, self.dtype, config.device, max_positions=self.max_model_len,
-                                    pack_weights=config.pack_weights, quantization=config.quantization)
+                                    pack_weights=config.pack_weights, quantization=config.quantization,
+                                    fp32_kernel=config.fp32_kernel)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(model_dir)
         self.eos_token_ids = set(c.eos_token_ids)
         self.clock = clock or monotonic_clock()

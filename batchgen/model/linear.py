@@ -6,6 +6,11 @@ Measured on a 2-core Zen 4 (SmolLM2-135M's matrices, one decode step's worth), a
 the checkpoint's [N, K] layout: fp32 2.0x at batch 1 and 3.2x at batch 64, bf16 1.4x / 1.6x. The
 packed weight serves any batch size. Where oneDNN lacks the dtype on this CPU (fp16 without
 AVX512-FP16 or AMX), or on CUDA (cuBLAS wants [N, K]), the plain layout stays.
+
+float32 on CPU goes one step further where a C++ compiler is at hand: batchgen's own kernel
+(batchgen.model.gemv), with the weight in column blocks [N / BN, K, BN] that it streams once. At batch
+1 it reads the weights at about the machine's memory bandwidth, where oneDNN's packed kernel reaches
+half to two thirds of it; see FP32_KERNELS and the README for the measurements.
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ import torch
 import torch.nn.functional as F
 
 _PACK_HINT = 64  # oneDNN's expected batch for the packing; the packed weight serves every batch
+# float32's CPU kernel: "gemv" (batchgen.model.gemv, built on this machine), "onednn" (the prepacked
+# oneDNN kernel), or "auto" (gemv where it builds, else onednn). One layout is kept, not both: a second
+# copy of every weight would double the model's memory for a choice per batch size.
+FP32_KERNELS = ("auto", "gemv", "onednn")
 
 
 def let_inductor_call_prepacked() -> None:
@@ -51,19 +60,41 @@ def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
     return False
 
 
+def fp32_kernel(choice: str, device: torch.device | str) -> tuple[int | None, str]:
+    """(the gemv kernel's block width, or None for oneDNN/plain; why) for `choice` in FP32_KERNELS."""
+    if choice not in FP32_KERNELS:
+        raise ValueError(f"fp32 kernel {choice!r}: one of {', '.join(FP32_KERNELS)}")
+    if choice == "onednn" or torch.device(device).type != "cpu":
+        return None, "asked for" if choice == "onednn" else "not on CPU"
+    from batchgen.model import gemv
+
+    width = gemv.load()
+    if isinstance(width, str):
+        if choice == "gemv":
+            raise RuntimeError(f"fp32 kernel gemv asked for, but it cannot be built here: {width}")
+        return None, width
+    return width, "built on this machine"
+
+
 class Linear:
-    """y = x W^T (+ b) for x [..., K] and W [N, K]."""
+    """y = x W^T (+ b) for x [..., K] and W [N, K]. `gemv_width`: hold a float32 W in the gemv
+    kernel's column blocks of that width (batchgen.model.gemv) instead of oneDNN's packing."""
 
-    __slots__ = ("weight", "packed", "bias", "out_features", "in_features", "nbytes", "dtype")
+    __slots__ = ("weight", "packed", "blocked", "bias", "out_features", "in_features", "nbytes", "dtype")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
+                 gemv_width: int | None = None):
         self.out_features, self.in_features = weight.shape
         self.nbytes = weight.numel() * weight.element_size()
         self.dtype = weight.dtype
         self.bias = bias
-        self.packed = None
+        self.packed = self.blocked = None
         self.weight = weight  # kept only where it is the kernel's input
-        if pack and can_pack(weight.dtype, weight.device):
+        if pack and gemv_width and weight.dtype == torch.float32 and weight.device.type == "cpu":
+            from batchgen.model.gemv import block
+
+            self.blocked, self.weight = block(weight, gemv_width), None
+        elif pack and can_pack(weight.dtype, weight.device):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_HINT)
                 self.weight = None
@@ -72,9 +103,14 @@ class Linear:
 
     @property
     def layout(self) -> str:
+        if self.blocked is not None:
+            return f"gemv-blocked [N/{self.blocked.shape[2]}, K, {self.blocked.shape[2]}]"
         return "onednn-packed" if self.packed is not None else "plain [N, K]"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocked is not None:
+            y = torch.ops.batchgen_gemv.gemv(x, self.blocked, self.out_features)
+            return y if self.bias is None else y + self.bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

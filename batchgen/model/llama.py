@@ -88,6 +88,7 @@ class LlamaModel:
         self.lm_head = lm_head  # [V, E]; the embedding's values when tied
         self.dtype = embed.dtype
         self.device = embed.device
+        self.layout_note: str | None = None  # e.g. why float32's gemv kernel is not in use (batchgen.model.loader)
         c = config
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
@@ -115,7 +116,8 @@ class LlamaModel:
     @property
     def weight_layout(self) -> str:
         layers, head = self.layers[0].qkv.layout, self.lm_head.layout
-        return head if layers == head else f"layers: {layers}; head: {head}"
+        layout = head if layers == head else f"layers: {layers}; head: {head}"
+        return layout + (f" ({self.layout_note})" if self.layout_note else "")
 
     def compile(self, mode: str | None = None) -> None:
         """torch.compile (Inductor) the elementwise pieces around the matmuls: RMSNorm (6 ops), RoPE

@@ -10,6 +10,7 @@ import torch
 
 from batchgen.config import ConfigError, ModelConfig
 from batchgen.model.linear import Int4Linear, Linear
+from batchgen.model.linear import fp32_kernel as fp32_kernel_for
 from batchgen.model.llama import Layer, LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,11 +78,13 @@ def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
-               max_positions: int | None = None, pack_weights: bool = True, quantization: str = "none") -> LlamaModel:
+               max_positions: int | None = None, pack_weights: bool = True, quantization: str = "none",
+               fp32_kernel: str = "auto") -> LlamaModel:
     """Load a local Llama-family checkpoint, fusing q/k/v and gate/up for fewer, larger matmuls, each
     in the layout fastest for the device's kernel (`pack_weights=False` keeps the checkpoint's).
     `quantization="int4"`: the layers' matrices as 4-bit weights (batchgen.model.linear.Int4Linear),
-    quantized from the checkpoint's own values; the head and norms stay in `dtype`."""
+    quantized from the checkpoint's own values; the head and norms stay in `dtype`. `fp32_kernel`:
+    float32's CPU matmul kernel (batchgen.model.linear.FP32_KERNELS)."""
     config = read_model_config(model_dir)
     state = load_state_dict(model_dir)
     dt = DTYPES[dtype]
@@ -102,8 +105,10 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
         w = take(name)
         return w + 1 if config.norm_plus_one else w
 
+    width, why = fp32_kernel_for(fp32_kernel, device) if pack_weights and dt == torch.float32 else (None, None)
+
     def linear(w, bias=None) -> Linear:
-        return Linear(w, bias, pack=pack_weights)
+        return Linear(w, bias, pack=pack_weights, gemv_width=width)
 
     def layer_linear(w, bias=None) -> Linear | Int4Linear:
         return Int4Linear(w, bias) if int4 else linear(w, bias)
@@ -135,8 +140,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     lm_head = take("lm_head.weight", required=not config.tie_word_embeddings)
     if lm_head is None:
         lm_head = embed  # tied: a packed layout is a copy, the plain one shares the embedding's memory
-    return LlamaModel(config, embed, layers, final_norm, linear(lm_head),
-                      max_positions=max_positions or config.max_position_embeddings)
+    model = LlamaModel(config, embed, layers, final_norm, linear(lm_head),
+                       max_positions=max_positions or config.max_position_embeddings)
+    if why and width is None and fp32_kernel == "auto" and torch.device(device).type == "cpu":
+        model.layout_note = f"gemv unavailable: {why}"  # the conditions say why oneDNN serves instead
+    return model
 
 
 def count_decode_weight_elements(model_dir: str | Path) -> int:

@@ -1,0 +1,110 @@
+// y = x W^T for float32 on CPU, with W held blocked as [ceil(N / BN), K, BN]: batchgen's decode matmul.
+//
+// A decode step multiplies a few rows of activations by every weight matrix once, so its time is the
+// time to stream the weights from memory. oneDNN's prepacked kernel reached 19-27 GB/s on a 2-core
+// Zen 4 whose memory reads at ~41 GB/s (SmolLM2-135M's matrices, batch 1). This kernel streams each
+// column block of W (K x BN floats, contiguous) once, keeping BN outputs for up to R rows in vector
+// registers: the shape of Inductor's own CPU GEMM template for small M, without its need for the
+// weights to be graph constants. It is built on the machine that runs it (batchgen/model/gemv.py,
+// -march=native), so the vector width below is the machine's.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+#if defined(__AVX512F__)
+constexpr int VL = 16;  // floats per vector register
+constexpr int R = 8;    // rows per pass over a block: R * NV accumulators + NV weights <= 32 registers
+#elif defined(__AVX__)
+constexpr int VL = 8;
+constexpr int R = 4;    // 16 registers
+#else
+constexpr int VL = 4;   // SSE (16 registers), NEON (32)
+constexpr int R = 4;
+#endif
+constexpr int NV = 3;        // vectors per column block: 3 independent FMA chains per row
+constexpr int BN = VL * NV;  // columns per block
+constexpr int64_t MC = 64;   // rows per task: a task's rows of x (MC x K floats) stay in cache while
+                             // it runs over its column blocks
+
+typedef float vec __attribute__((vector_size(VL * sizeof(float))));  // GCC/Clang: the machine's vectors
+
+static inline vec load(const float* p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
+
+// rows [0, ROWS) of x times one column block wb [K, BN]; y gets the first `cols` (<= BN) columns
+template <int ROWS>
+static inline void block_rows(const float* __restrict__ x, int64_t K, const float* __restrict__ wb,
+                              float* __restrict__ y, int64_t ldy, int64_t cols) {
+  vec acc[ROWS][NV];
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = vec{};
+  for (int64_t k = 0; k < K; ++k) {
+    vec w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = load(wb + k * BN + v * VL);
+    for (int r = 0; r < ROWS; ++r) {
+      const float xk = x[r * K + k];
+      for (int v = 0; v < NV; ++v) acc[r][v] += xk * w[v];
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    if (cols == BN) {
+      std::memcpy(y + r * ldy, acc[r], sizeof acc[r]);
+    } else {  // the last block of an N that is not a multiple of BN: its padding columns are dropped
+      std::memcpy(y + r * ldy, acc[r], cols * sizeof(float));
+    }
+  }
+}
+
+// the last rows of a chunk, fewer than R: one pass with `left` rows
+template <int ROWS>
+static inline void rest_rows(int64_t left, const float* x, int64_t K, const float* wb, float* y, int64_t ldy,
+                             int64_t cols) {
+  if constexpr (ROWS > 0) {
+    if (left == ROWS) {
+      block_rows<ROWS>(x, K, wb, y, ldy, cols);
+    } else {
+      rest_rows<ROWS - 1>(left, x, K, wb, y, ldy, cols);
+    }
+  }
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t n) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "batchgen gemv: float32 only");
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == BN && w.is_contiguous(), "batchgen gemv: weight must be [NB, K, ", BN, "]");
+  const int64_t K = x.size(-1), NB = w.size(0);
+  TORCH_CHECK(w.size(1) == K && n <= NB * BN && n > (NB - 1) * BN, "batchgen gemv: shapes do not match");
+  const auto x2 = x.contiguous();
+  const int64_t M = x2.numel() / K;
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  auto y = at::empty(sizes, x.options());
+  const float* xp = x2.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // tasks are (chunk of MC rows, column block), column blocks fastest: at decode's few rows the
+  // threads split the column blocks, each streaming its own contiguous part of W; at prefill's many
+  // rows a thread runs over the blocks with its rows of x held in cache
+  const int64_t MB = (M + MC - 1) / MC;
+  at::parallel_for(0, MB * NB, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t mb = t / NB, nb = t % NB;
+      const float* wb = wp + nb * K * BN;
+      const int64_t cols = std::min<int64_t>(BN, n - nb * BN);
+      float* yb = yp + nb * BN;
+      int64_t m = mb * MC;
+      const int64_t m_end = std::min(M, m + MC);
+      for (; m + R <= m_end; m += R) block_rows<R>(xp + m * K, K, wb, yb + m * n, n, cols);
+      rest_rows<R - 1>(m_end - m, xp + m * K, K, wb, yb + m * n, n, cols);
+    }
+  });
+  return y;
+}
+
+int64_t block_width() { return BN; }
+
+TORCH_LIBRARY(batchgen_gemv, m) {
+  m.def("gemv(Tensor x, Tensor w, int n) -> Tensor");
+  m.def("block_width() -> int", &block_width);  // no tensor to dispatch on: one kernel for every backend
+}
+TORCH_LIBRARY_IMPL(batchgen_gemv, CPU, m) { m.impl("gemv", &gemv); }

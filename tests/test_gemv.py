@@ -1,0 +1,91 @@
+"""batchgen's float32 CPU matmul (batchgen/model/gemv.cpp): built on this machine, exact to float
+rounding against torch's, inside a compiled step, and replaced by oneDNN's where it cannot be built."""
+
+import pytest
+import torch
+
+from batchgen.config import EngineConfig, SamplingParams
+from batchgen.engine.native import NativeEngine
+from batchgen.model import gemv
+from batchgen.model.linear import Linear, fp32_kernel
+
+WIDTH = gemv.load()
+needs_kernel = pytest.mark.skipif(isinstance(WIDTH, str), reason=f"gemv kernel unavailable: {WIDTH}")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    # the kernel sums K products in its own order: float rounding, relative to the outputs' scale
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 4e-6 * want.abs().max().item() + 1e-6
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(960, 576), (7, 33), (49, 64), (200, 1)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 70])
+def test_gemv_matches_torch_for_every_row_count_and_a_ragged_last_block(n, k, rows):
+    g = torch.Generator().manual_seed(n * 1000 + rows)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    lin = Linear(w.clone(), b, gemv_width=WIDTH)
+    assert lin.blocked is not None and lin.weight is None and lin.layout.startswith("gemv-blocked")
+    _close(lin(x), x @ w.t() + b)
+    # leading dimensions, and an input that is a strided view (the kernel makes it contiguous)
+    x3 = torch.randn(2, rows, 2 * k, generator=g)[..., ::2]
+    _close(lin(x3), x3 @ w.t() + b)
+
+
+@needs_kernel
+def test_gemv_runs_inside_a_compiled_function():
+    """A compiled decode step calls the kernel as an opaque op (its fake gives Inductor the shape)."""
+    w = torch.randn(100, 64)
+    lin = Linear(w.clone(), gemv_width=WIDTH)
+
+    def f(x):
+        return torch.relu(lin(x * 2)) + 1
+
+    x = torch.randn(3, 64)
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)
+    _close(compiled(x), torch.relu((x * 2) @ w.t()) + 1)
+
+
+def test_the_kernel_is_built_once_and_loaded_from_the_machine_cache():
+    if isinstance(WIDTH, str):
+        pytest.skip(WIDTH)
+    so = gemv.library_path(__import__("os").environ.get("CXX", "c++"))
+    assert so.exists() and so.parent == gemv.kernel_dir()
+    assert gemv.load() == WIDTH  # loaded once per process: no second build
+
+
+def test_without_a_compiler_auto_falls_back_to_onednn_and_says_why(tmp_path, monkeypatch, tiny_model_dir):
+    monkeypatch.setattr(gemv, "_loaded", None)  # this process has not loaded it: try to build
+    monkeypatch.setenv("BATCHGEN_KERNEL_DIR", str(tmp_path / "kernels"))
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    width, why = fp32_kernel("auto", "cpu")
+    assert width is None and "no C++ compiler" in why
+    with pytest.raises(RuntimeError, match="cannot be built here"):
+        fp32_kernel("gemv", "cpu")
+    e = NativeEngine(tiny_model_dir, EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=64, compile="off"))
+    layout = e.conditions()["weight_layout"]
+    assert layout.startswith("onednn-packed") and "gemv unavailable" in layout and "no C++ compiler" in layout
+    e.add("a", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    while e.has_unfinished():
+        e.step()
+
+
+@needs_kernel
+def test_gemv_and_onednn_give_the_same_greedy_tokens_on_the_real_model(real_model_dir):
+    def run(kernel: str):
+        e = NativeEngine(real_model_dir, EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=256,
+                                                      compile="off", fp32_kernel=kernel))
+        for i, p in enumerate(["Name three rivers.", "What is 7 squared?", "Say hello in Spanish.", "Why is the sky blue?"]):
+            e.add(str(i), e.tokenizer.encode(p), SamplingParams(max_tokens=16, ignore_eos=True))
+        out = {}
+        while e.has_unfinished():
+            for f in e.step().finished:
+                out[f.request_id] = f.output_token_ids
+        return out, e.conditions()["weight_layout"]
+
+    got, layout = run("gemv")
+    ref, ref_layout = run("onednn")
+    assert layout == f"gemv-blocked [N/{WIDTH}, K, {WIDTH}]" and ref_layout == "onednn-packed"
+    assert got == ref
