@@ -92,6 +92,10 @@ class GenerateSettings(BaseModel):
         description="int4: the layers' weights as 4-bit codes with a scale and zero per 32 (PyTorch's int4 CPU "
                     "kernel, bf16 activations): faster at small batches, slower at wide ones; the shipped "
                     "SmolLM2 weights are exactly such values (GGUF Q4_1)")
+    fp32_kernel: Literal["auto", "gemv", "onednn"] = Field(
+        "auto", title="float32 CPU matmul (native engine)",
+        description="gemv: batchgen's kernel, built once per machine for its vector instructions (needs a C++ "
+                    "compiler); onednn: oneDNN's prepacked kernel; auto: gemv where it builds, else onednn")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         "auto", title="CUDA graphs (native engine)",
         description="decode steps padded to static buckets and replayed as CUDA graphs; auto: on CUDA with the "
@@ -138,7 +142,8 @@ class GenerateSettings(BaseModel):
                                        max_num_batched_tokens=self.max_num_batched_tokens, dtype=self.dtype,
                                        device=self.device, seed=self.seed, attention_backend=self.attention_backend,
                                        compile=self.compile, speculative_ngram=self.speculative_ngram,
-                                       quantization=self.quantization, cuda_graphs=self.cuda_graphs),
+                                       quantization=self.quantization, cuda_graphs=self.cuda_graphs,
+                                       fp32_kernel=self.fp32_kernel),
             sampling=SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                                     top_k=self.top_k, stop=tuple(self.stop), ignore_eos=self.ignore_eos,
                                     logprobs=self.logprobs, structured=normalise_response_format(self.response_format)),

@@ -89,3 +89,16 @@ def test_gemv_and_onednn_give_the_same_greedy_tokens_on_the_real_model(real_mode
     ref, ref_layout = run("onednn")
     assert layout == f"gemv-blocked [N/{WIDTH}, K, {WIDTH}]" and ref_layout == "onednn-packed"
     assert got == ref
+
+
+def test_the_choice_reaches_the_engine_from_the_run_settings():
+    """The same field drives the CLI flag (--fp32-kernel), the flow parameter and the UI's form."""
+    from pydantic import ValidationError
+
+    from batchgen.settings import GenerateSettings
+
+    cfg = GenerateSettings(input=["x.parquet"], fp32_kernel="onednn").to_run_config().engine_config
+    assert cfg.fp32_kernel == "onednn"
+    assert GenerateSettings(input=["x.parquet"]).to_run_config().engine_config.fp32_kernel == "auto"
+    with pytest.raises(ValidationError):
+        GenerateSettings(input=["x.parquet"], fp32_kernel="mkl")

@@ -18,7 +18,8 @@ into static buffers; this does the same for the native engine's PyTorch paged pa
 On CPU there is no graph to capture. There the static shapes serve torch.compile instead
 (mode "compile"): Inductor compiles the whole decode step once per bucket, fusing the norms, RoPE,
 the KV write and the attention's gathers, masks and split softmax into a few C++ kernels around the
-prepacked matmuls (called as opaque kernels, batchgen.model.linear). Measured on a 2-core Zen 4
+matmuls (batchgen's gemv kernel or oneDNN's prepacked one, called as opaque kernels,
+batchgen.model.linear). Measured on a 2-core Zen 4
 with SmolLM2-135M fp32: 1.2-1.4x the eager step at batch 1, 8 and 64. A compile costs seconds (Dynamo traces every
 layer: ~4-6 s a bucket with Inductor's cache warm, a minute or more cold), so `--compile auto` rents
 before it buys: a bucket runs the dynamic (unpadded) path until the time spent there would have paid

@@ -8,9 +8,11 @@ packed weight serves any batch size. Where oneDNN lacks the dtype on this CPU (f
 AVX512-FP16 or AMX), or on CUDA (cuBLAS wants [N, K]), the plain layout stays.
 
 float32 on CPU goes one step further where a C++ compiler is at hand: batchgen's own kernel
-(batchgen.model.gemv), with the weight in column blocks [N / BN, K, BN] that it streams once. At batch
-1 it reads the weights at about the machine's memory bandwidth, where oneDNN's packed kernel reaches
-half to two thirds of it; see FP32_KERNELS and the README for the measurements.
+(batchgen.model.gemv), with the weight in column blocks [N / BN, K, BN] that it streams once. In the
+engine on the same 2-core Zen 4 (SmolLM2-135M fp32, the two kernels' engines stepping alternately in
+one process): a batch-1 step's 121 matmuls took 13.1 ms against oneDNN's 16.0 (the profiler's sums;
+41 GB/s, the probe's peak read bandwidth); decode steps 1.09x at batch 1 and 1.20x at batch 8
+(compiled), 1.27x at batch 64 and prefill 1.33x (eager), with the same greedy tokens.
 """
 
 from __future__ import annotations

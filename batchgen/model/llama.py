@@ -123,8 +123,8 @@ class LlamaModel:
         """torch.compile (Inductor) the elementwise pieces around the matmuls: RMSNorm (6 ops), RoPE
         and the gated activation each become one fused kernel. Shapes are dynamic, so each compiles
         once (plus its batch-1 specialisation), not per step; Inductor's cache keeps the code on disk.
-        The matmuls stay the prepacked kernels (batchgen.model.linear), which is what Inductor's
-        freezing would call too."""
+        The matmuls stay opaque kernels (batchgen.model.linear: batchgen's fp32 gemv, or oneDNN's
+        prepacked one, which is what Inductor's freezing would call too)."""
         kw = {"dynamic": True, **({"mode": mode} if mode else {})}
         self.norm_fn, self.rope_fn = torch.compile(rms_norm, **kw), torch.compile(apply_rope, **kw)
         self.act_mul = torch.compile(self.act_mul, **kw)
