@@ -73,7 +73,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "batchgen gemv: float32 only");
   TORCH_CHECK(w.dim() == 3 && w.size(2) == BN && w.is_contiguous(), "batchgen gemv: weight must be [NB, K, ", BN, "]");
   const int64_t K = x.size(-1), NB = w.size(0);
-  TORCH_CHECK(w.size(1) == K && n <= NB * BN && n > (NB - 1) * BN, "batchgen gemv: shapes do not match");
+  TORCH_CHECK(K > 0 && w.size(1) == K && n <= NB * BN && n > (NB - 1) * BN, "batchgen gemv: shapes do not match");
   const auto x2 = x.contiguous();
   const int64_t M = x2.numel() / K;
   auto sizes = x.sizes().vec();
