@@ -1,6 +1,10 @@
 """batchgen's float32 CPU matmul (batchgen/model/gemv.cpp): built on this machine, exact to float
 rounding against torch's, inside a compiled step, and replaced by oneDNN's where it cannot be built."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -51,9 +55,26 @@ def test_gemv_runs_inside_a_compiled_function():
 def test_the_kernel_is_built_once_and_loaded_from_the_machine_cache():
     if isinstance(WIDTH, str):
         pytest.skip(WIDTH)
-    so = gemv.library_path(__import__("os").environ.get("CXX", "c++"))
+    so = gemv.library_path(os.environ.get("CXX", "c++"))
     assert so.exists() and so.parent == gemv.kernel_dir()
     assert gemv.load() == WIDTH  # loaded once per process: no second build
+
+
+def test_a_fresh_machine_builds_the_kernel_once(tmp_path):
+    """From the source, in a process of its own (one process loads the library once), into an empty
+    kernel directory; a second process finds it there and builds nothing."""
+    if isinstance(WIDTH, str):
+        pytest.skip(WIDTH)
+    env = {**os.environ, "BATCHGEN_KERNEL_DIR": str(tmp_path)}
+    code = ("import time; from batchgen.model import gemv; t = time.perf_counter(); w = gemv.load(); "
+            "print(w, time.perf_counter() - t)")
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    built = list(tmp_path.glob("gemv-*.so"))
+    assert first.returncode == 0 and first.stdout.split()[0] == str(WIDTH) and len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert second.stdout.split()[0] == str(WIDTH) and built[0].stat().st_mtime_ns == mtime
+    assert list(tmp_path.iterdir()) == built  # no temporary file left beside it
 
 
 def test_without_a_compiler_auto_falls_back_to_onednn_and_says_why(tmp_path, monkeypatch, tiny_model_dir):
