@@ -24,7 +24,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("n,k", [(960, 576), (7, 33), (49, 64), (200, 1)])
+@pytest.mark.parametrize("n,k", [(960, 576), (7, 33), (49, 64), (200, 1), (100, 1000)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 70])
 def test_gemv_matches_torch_for_every_row_count_and_a_ragged_last_block(n, k, rows):
     g = torch.Generator().manual_seed(n * 1000 + rows)

@@ -60,7 +60,8 @@ def test_auto_takes_the_fastest_measured_dtype_for_the_batch_band(tmp_path, monk
                         "256": {"float32": 1.0, "bfloat16": 2.0, "float16": 9.0}},
              "bytes_fp32": 1 << 20}
     (tmp_path / "probe").mkdir()
-    (tmp_path / "probe" / f"{machine_key('cpu')}-dtype.json").write_text(json.dumps(table))
+    name, _ = precision.record_name("cpu")  # float32's kernel here: gemv where it builds, else oneDNN
+    (tmp_path / "probe" / f"{machine_key('cpu')}{name}.json").write_text(json.dumps(table))
     assert precision.resolve_dtype("auto", "cpu", 1)[0] == "float16"
     assert precision.resolve_dtype("auto", "cpu", 6)[0] == "bfloat16"
     dt, why = precision.resolve_dtype("auto", "cpu", 48)
@@ -73,9 +74,9 @@ def test_auto_is_measured_once_and_recorded_in_the_conditions(tmp_path, monkeypa
     calls = []
     real = precision.measure_dtype_speeds
 
-    def counting(device):
-        calls.append(device)
-        return real(device, repeats=1)
+    def counting(device, fp32_width=None):
+        calls.append((device, fp32_width))
+        return real(device, repeats=1, fp32_width=fp32_width)
 
     monkeypatch.setattr(precision, "measure_dtype_speeds", counting)
     e = NativeEngine(tiny_model_dir, EngineConfig(max_num_seqs=4, max_model_len=64))
@@ -83,7 +84,12 @@ def test_auto_is_measured_once_and_recorded_in_the_conditions(tmp_path, monkeypa
     assert c["dtype"] in precision.CANDIDATES and c["dtype_choice"].startswith("auto: fastest at batch band 8")
     assert "measured in this run" in c["dtype_choice"]
     e2 = NativeEngine(tiny_model_dir, EngineConfig(max_num_seqs=4, max_model_len=64))
-    assert "cached" in e2.conditions()["dtype_choice"] and calls == ["cpu"]
+    assert "cached" in e2.conditions()["dtype_choice"] and calls == [("cpu", precision.record_name("cpu")[1])]
+    # float32 timed on the kernel the engine runs it on; oneDNN's fp32 is a record of its own
+    assert ("float32 on gemv" if calls[0][1] else "float32 on oneDNN") in c["dtype_choice"]
+    e3 = NativeEngine(tiny_model_dir, EngineConfig(max_num_seqs=4, max_model_len=64, fp32_kernel="onednn"))
+    assert "float32 on oneDNN" in e3.conditions()["dtype_choice"]
+    assert len(calls) == (2 if calls[0][1] else 1)
 
 
 @pytest.mark.slow

@@ -55,7 +55,8 @@ class NativeEngine(Engine):
                                      f"has none here (on CUDA, serve a quantized checkpoint with the vllm engine)")
                 self.dtype, self.dtype_choice = "bfloat16", "int4 weights: the kernel's activations"
             else:
-                self.dtype, self.dtype_choice = resolve_dtype(config.dtype, config.device, config.max_num_seqs)
+                self.dtype, self.dtype_choice = resolve_dtype(config.dtype, config.device, config.max_num_seqs,
+                                                              config.fp32_kernel)
             self.model = load_model(model_dir, self.dtype, config.device, max_positions=self.max_model_len,
                                     pack_weights=config.pack_weights, quantization=config.quantization,
                                     fp32_kernel=config.fp32_kernel)
