@@ -23,6 +23,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 TOO_LONG_POLICIES = ("error", "truncate")
 ENGINES = ("native", "vllm")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+# float32's CPU matmul (batchgen.model.linear): batchgen's gemv kernel, oneDNN's, or gemv where it builds
+FP32_KERNELS = ("auto", "gemv", "onednn")
 MAX_LOGPROBS = 20  # top alternatives per token, as the OpenAI API allows
 
 
@@ -213,7 +215,7 @@ class EngineConfig:
     pack_weights: bool = True  # weights in the kernel's fastest layout (False: the checkpoint's, for A/B)
     quantization: str = "none"  # int4: the layers' matrices as 4-bit weights (native engine, CPU; bf16 activations)
     # float32's CPU matmul: auto (batchgen's gemv kernel, built on this machine, where it builds; else
-    # oneDNN), gemv, or onednn (batchgen.model.linear.FP32_KERNELS)
+    # oneDNN), gemv, or onednn (FP32_KERNELS)
     fp32_kernel: str = "auto"
     # decode-only steps padded to static (rows, pairs) buckets and replayed as CUDA graphs; auto: on CUDA
     # with the PyTorch paged attention; on CPU, `on` runs the same static buckets eagerly (no graphs there)
@@ -243,8 +245,8 @@ class EngineConfig:
                  f"{self.prompt_lookup_max}")
         _require(self.compile in ("auto", "on", "off"), f"compile must be auto, on or off, got {self.compile!r}")
         _require(self.quantization in ("none", "int4"), f"quantization must be none or int4, got {self.quantization!r}")
-        _require(self.fp32_kernel in ("auto", "gemv", "onednn"),
-                 f"fp32_kernel must be auto, gemv or onednn, got {self.fp32_kernel!r}")
+        _require(self.fp32_kernel in FP32_KERNELS,
+                 f"fp32_kernel must be one of {FP32_KERNELS}, got {self.fp32_kernel!r}")
         _require(self.cuda_graphs in ("auto", "on", "off"), f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
         _require(self.quantization == "none" or self.dtype in ("auto", "bfloat16"),
                  f"quantization int4 runs its activations in bfloat16 (PyTorch's int4 CPU kernel; with float32 "

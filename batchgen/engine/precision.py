@@ -63,7 +63,7 @@ def record_name(device: str, fp32: str = "auto") -> tuple[str, int | None]:
 
 def resolve_dtype(requested: str, device: str, batch: int, fp32: str = "auto") -> tuple[str, str]:
     """(dtype, why). An explicit dtype is taken as asked. `fp32`: float32's kernel choice
-    (batchgen.model.linear.FP32_KERNELS), which the crossover is measured against."""
+    (batchgen.config.FP32_KERNELS), which the crossover is measured against."""
     if requested != "auto":
         return requested, "as requested"
     if device.startswith("cuda"):

@@ -2,7 +2,7 @@
 
 The kernel is compiled with the machine's own vector instructions (-march=native), so it is built
 here, not shipped: once per machine, source, torch version and compiler, into BATCHGEN_KERNEL_DIR
-(default BATCHGEN_HOME/kernels), about 10 s; later processes load the cached library. Where there is
+(default BATCHGEN_HOME/kernels), about 12 s; later processes load the cached library. Where there is
 no C++ compiler, or the build fails, `load()` says why and the caller keeps oneDNN's kernel.
 """
 

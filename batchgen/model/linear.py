@@ -20,11 +20,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchgen.config import FP32_KERNELS
+
 _PACK_HINT = 64  # oneDNN's expected batch for the packing; the packed weight serves every batch
-# float32's CPU kernel: "gemv" (batchgen.model.gemv, built on this machine), "onednn" (the prepacked
-# oneDNN kernel), or "auto" (gemv where it builds, else onednn). One layout is kept, not both: a second
-# copy of every weight would double the model's memory for a choice per batch size.
-FP32_KERNELS = ("auto", "gemv", "onednn")
+# float32's CPU kernel (FP32_KERNELS): "gemv" (batchgen.model.gemv, built on this machine), "onednn"
+# (the prepacked oneDNN kernel), or "auto" (gemv where it builds, else onednn). One layout is kept, not
+# both: a second copy of every weight would double the model's memory for a choice per batch size.
 
 
 def let_inductor_call_prepacked() -> None:

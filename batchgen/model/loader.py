@@ -84,7 +84,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     in the layout fastest for the device's kernel (`pack_weights=False` keeps the checkpoint's).
     `quantization="int4"`: the layers' matrices as 4-bit weights (batchgen.model.linear.Int4Linear),
     quantized from the checkpoint's own values; the head and norms stay in `dtype`. `fp32_kernel`:
-    float32's CPU matmul kernel (batchgen.model.linear.FP32_KERNELS)."""
+    float32's CPU matmul kernel (batchgen.config.FP32_KERNELS)."""
     config = read_model_config(model_dir)
     state = load_state_dict(model_dir)
     dt = DTYPES[dtype]
