@@ -25,6 +25,9 @@ ENGINES = ("native", "vllm")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 # float32's CPU matmul (batchgen.model.linear): batchgen's gemv kernel, oneDNN's, or gemv where it builds
 FP32_KERNELS = ("auto", "gemv", "onednn")
+# how the native engine draws sampled tokens (batchgen.engine.sampler): the fused C++ kernel (CPU,
+# built on this machine), the torch ops, or fused where it serves
+SAMPLER_KERNELS = ("auto", "fused", "torch")
 MAX_LOGPROBS = 20  # top alternatives per token, as the OpenAI API allows
 
 
@@ -217,6 +220,7 @@ class EngineConfig:
     # float32's CPU matmul: auto (batchgen's gemv kernel, built on this machine, where it builds; else
     # oneDNN), gemv, or onednn (FP32_KERNELS)
     fp32_kernel: str = "auto"
+    sampler: str = "auto"  # auto (the fused C++ sampler on a CPU that builds it, else torch), fused or torch
     # decode-only steps padded to static (rows, pairs) buckets and replayed as CUDA graphs; auto: on CUDA
     # with the PyTorch paged attention; on CPU, `on` runs the same static buckets eagerly (no graphs there)
     cuda_graphs: str = "auto"
@@ -247,6 +251,7 @@ class EngineConfig:
         _require(self.quantization in ("none", "int4"), f"quantization must be none or int4, got {self.quantization!r}")
         _require(self.fp32_kernel in FP32_KERNELS,
                  f"fp32_kernel must be one of {FP32_KERNELS}, got {self.fp32_kernel!r}")
+        _require(self.sampler in SAMPLER_KERNELS, f"sampler must be one of {SAMPLER_KERNELS}, got {self.sampler!r}")
         _require(self.cuda_graphs in ("auto", "on", "off"), f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
         _require(self.quantization == "none" or self.dtype in ("auto", "bfloat16"),
                  f"quantization int4 runs its activations in bfloat16 (PyTorch's int4 CPU kernel; with float32 "

@@ -96,6 +96,10 @@ class GenerateSettings(BaseModel):
         "auto", title="float32 CPU matmul (native engine)",
         description="gemv: batchgen's kernel, built once per machine for its vector instructions (needs a C++ "
                     "compiler); onednn: oneDNN's prepacked kernel; auto: gemv where it builds, else onednn")
+    sampler: Literal["auto", "fused", "torch"] = Field(
+        "auto", title="Sampler (native engine)",
+        description="fused: temperature, top-k and top-p in one C++ call per step, built once per machine (needs a "
+                    "C++ compiler; CPU); torch: the same rule as torch ops; auto: fused where it builds, else torch")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         "auto", title="CUDA graphs (native engine)",
         description="decode steps padded to static buckets and replayed as CUDA graphs; auto: on CUDA with the "
@@ -143,7 +147,7 @@ class GenerateSettings(BaseModel):
                                        device=self.device, seed=self.seed, attention_backend=self.attention_backend,
                                        compile=self.compile, speculative_ngram=self.speculative_ngram,
                                        quantization=self.quantization, cuda_graphs=self.cuda_graphs,
-                                       fp32_kernel=self.fp32_kernel),
+                                       fp32_kernel=self.fp32_kernel, sampler=self.sampler),
             sampling=SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                                     top_k=self.top_k, stop=tuple(self.stop), ignore_eos=self.ignore_eos,
                                     logprobs=self.logprobs, structured=normalise_response_format(self.response_format)),

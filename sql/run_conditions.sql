@@ -33,6 +33,7 @@ final as (
         coalesce(json_extract_string(d.doc, '$.conditions.engine.speculative'), 'none') as speculative,
         json_extract_string(d.doc, '$.conditions.engine.weight_layout') as weight_layout,
         json_extract_string(d.doc, '$.conditions.engine.compile') as compile,
+        json_extract_string(d.doc, '$.conditions.engine.sampler') as sampler,
         json_extract_string(d.doc, '$.conditions.engine.cuda_graphs') as cuda_graphs,
         l.prompt_tokens_p50,
         l.prompt_tokens_max,

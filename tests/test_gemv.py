@@ -1,4 +1,4 @@
-"""batchgen's float32 CPU matmul (batchgen/model/gemv.cpp): built on this machine, exact to float
+"""batchgen's float32 CPU matmul (batchgen/kernels/gemv.cpp): built on this machine, exact to float
 rounding against torch's, inside a compiled step, and replaced by oneDNN's where it cannot be built."""
 
 import os
@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from batchgen import kernels
 from batchgen.config import EngineConfig, SamplingParams
 from batchgen.engine.native import NativeEngine
 from batchgen.model import gemv
@@ -55,8 +56,8 @@ def test_gemv_runs_inside_a_compiled_function():
 def test_the_kernel_is_built_once_and_loaded_from_the_machine_cache():
     if isinstance(WIDTH, str):
         pytest.skip(WIDTH)
-    so = gemv.library_path(os.environ.get("CXX", "c++"))
-    assert so.exists() and so.parent == gemv.kernel_dir()
+    so = kernels.library_path("gemv", os.environ.get("CXX", "c++"))
+    assert so.exists() and so.parent == kernels.kernel_dir()
     assert gemv.load() == WIDTH  # loaded once per process: no second build
 
 
@@ -78,7 +79,7 @@ def test_a_fresh_machine_builds_the_kernel_once(tmp_path):
 
 
 def test_without_a_compiler_auto_falls_back_to_onednn_and_says_why(tmp_path, monkeypatch, tiny_model_dir):
-    monkeypatch.setattr(gemv, "_loaded", None)  # this process has not loaded it: try to build
+    monkeypatch.setattr(kernels, "_loaded", {})  # this process has not loaded it: try to build
     monkeypatch.setenv("BATCHGEN_KERNEL_DIR", str(tmp_path / "kernels"))
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     width, why = fp32_kernel("auto", "cpu")

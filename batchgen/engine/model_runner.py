@@ -20,12 +20,13 @@ from batchgen.engine.scheduler import Chunk
 
 
 class ModelRunner:
-    def __init__(self, model, kv: PagedKVCache | None, attention, vocab_size: int, device: str, constraints=None):
+    def __init__(self, model, kv: PagedKVCache | None, attention, vocab_size: int, device: str, constraints=None,
+                 sampler: str = "auto"):
         self.model = model  # batchgen.model.llama.LlamaModel
         self.kv = kv  # None: recompute the whole history every step (the lab's baseline)
         self.attention = attention  # batchgen.engine.attention.select_backend(device), or None without a cache
         self.device = device
-        self.sampler = Sampler(vocab_size, device)
+        self.sampler = Sampler(vocab_size, device, sampler)  # sampler: batchgen.config.SAMPLER_KERNELS
         self.constraints = constraints  # batchgen.engine.structured.GrammarConstraints: masks constrained rows
         self.num_computed_positions = 0  # positions run through the model (the lab's count)
         self.num_exact_fallbacks = 0  # sampled rows whose top-p set reached past the candidates
@@ -58,18 +59,15 @@ class ModelRunner:
             masked = logits.clone()  # a copy: logprobs stay those of the raw distribution
             self.constraints.mask(masked, [r.request_id for r in sampling])
         t0 = time.perf_counter()
-        tokens, short = self._sample(masked, sampling, offsets)
+        tokens = self._sample(masked, sampling, offsets)
         wants = [r.sampling.logprobs for r in sampling]
+        toks = tokens.tolist()  # the one host sync
+        if -1 in toks:  # a flat distribution reached past the candidates
+            toks = self._exact(masked, sampling, offsets, toks)
+            tokens = torch.tensor(toks, device=tokens.device)
+        self.sample_s += time.perf_counter() - t0
         if all(k is None for k in wants):
-            toks = tokens.tolist()  # the one host sync
-            if short is not None and -1 in toks:  # a flat distribution reached past the candidates
-                toks = self._exact(masked, sampling, offsets, toks)
-            self.sample_s += time.perf_counter() - t0
             return toks, None
-        if short is not None:  # logprobs gather at the chosen tokens: resolve flagged rows first
-            toks = tokens.tolist()
-            if -1 in toks:
-                tokens = torch.tensor(self._exact(masked, sampling, offsets, toks), device=tokens.device)
         return self._with_logprobs(logits, tokens, wants)
 
     @staticmethod
@@ -149,29 +147,26 @@ class ModelRunner:
 
     # ---- sampling ----------------------------------------------------------------------------------
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request],
-                offsets: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], offsets: list[int]) -> torch.Tensor:
         """Tokens [R], with -1 at rows the sampler flagged for its exact path (see `_exact`)."""
         sp = [r.sampling for r in reqs]
         if all(s.greedy for s in sp):
-            return logits.argmax(dim=-1), None
+            return logits.argmax(dim=-1)
         sampled = [s for s in sp if not s.greedy]
-        use_top = any(s.top_k > 0 or s.top_p < 1.0 for s in sampled)
-        any_plain = any(s.top_k <= 0 and s.top_p >= 1.0 for s in sampled)
-        tokens, short = self.sampler.sample(logits, *self._sampling_tensors(reqs, offsets), all_greedy=False,
-                                            use_top=use_top, any_plain=any_plain,
-                                            max_top_k=max(s.top_k for s in sampled),
-                                            any_greedy=len(sampled) < len(sp))
-        return (tokens, None) if short is None else (torch.where(short, -1, tokens), short)
+        return self.sampler.sample(logits, *self._sampling_tensors(reqs, offsets), all_greedy=False,
+                                   use_top=any(s.top_k > 0 or s.top_p < 1.0 for s in sampled),
+                                   any_plain=any(s.top_k <= 0 and s.top_p >= 1.0 for s in sampled),
+                                   max_top_k=max(s.top_k for s in sampled), any_greedy=len(sampled) < len(sp))
 
     def _sampling_tensors(self, reqs: list[Request], offsets: list[int]) -> tuple[torch.Tensor, ...]:
-        dev, sp = self.device, [r.sampling for r in reqs]
-        return (torch.tensor([float(s.temperature) for s in sp], device=dev),
-                torch.tensor([float(s.top_p) for s in sp], device=dev),
-                torch.tensor([s.top_k for s in sp], dtype=torch.int64, device=dev),
-                torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev),
-                torch.tensor([len(r.output_token_ids) + j for r, j in zip(reqs, offsets)], dtype=torch.int64,
-                             device=dev))  # the counter: the index of the token being drawn
+        """temperature, top_p [R] float32; top_k, seed, counter [R] int64 (the counter: the index of
+        the token being drawn). Two host-to-device copies a step, not five: views of two tensors."""
+        R, sp = len(reqs), [r.sampling for r in reqs]
+        f = torch.tensor([float(s.temperature) for s in sp] + [float(s.top_p) for s in sp], device=self.device)
+        i = torch.tensor([s.top_k for s in sp] + [r.seed for r in reqs]
+                         + [len(r.output_token_ids) + j for r, j in zip(reqs, offsets)],
+                         dtype=torch.int64, device=self.device)
+        return f[:R], f[R:], i[:R], i[R:2 * R], i[2 * R:]
 
     def _exact(self, logits: torch.Tensor, reqs: list[Request], offsets: list[int], toks: list[int]) -> list[int]:
         """Redo the flagged rows (-1) over the whole sorted vocabulary: a second sync, rare."""

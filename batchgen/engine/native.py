@@ -79,7 +79,8 @@ class NativeEngine(Engine):
         kv = (PagedKVCache(c.num_layers, num_blocks + graphs, bs, c.num_kv_heads, c.head_dim, DTYPES[self.dtype],
                            config.device, attention.kv_layout) if attention else None)
         self.constraints = GrammarConstraints(model_dir, c.vocab_size, sorted(self.eos_token_ids))
-        self.runner = ModelRunner(self.model, kv, attention, c.vocab_size, config.device, self.constraints)
+        self.runner = ModelRunner(self.model, kv, attention, c.vocab_size, config.device, self.constraints,
+                                  config.sampler)
         if config.compile != "off":  # Inductor's on-disk cache beside the probe's: a machine compiles once
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(batchgen_home() / "inductor"))
         if graphs:
@@ -200,6 +201,7 @@ class NativeEngine(Engine):
             "max_num_batched_tokens": c.max_num_batched_tokens, "enable_kv_cache": c.enable_kv_cache,
             "attention_backend": self.runner.attention.name if self.runner.attention else "none (recompute)",
             "weight_bytes": self.model.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
+            "sampler": self.runner.sampler.name,
             "compile": self._compile_condition(), "compile_s": self._compile_seconds(),
             "cuda_graphs": self._graphs_condition(),
             "speculative": ({"method": "ngram", "num_speculative_tokens": c.speculative_ngram,

@@ -13,11 +13,17 @@ uniform, so no noise over the whole vocabulary is drawn and nothing is sorted in
   distribution) is flagged and redone exactly over the sorted vocabulary (`exact`). The result is
   the same either way: the kept set is a prefix of the sorted order, so it does not depend on how
   many candidates were taken.
+
+On CPU the same rule runs as one C++ call (batchgen/kernels/sample.cpp), built on the machine: the
+torch version is about 40 small ops, each a pass over a row that the step's matmuls have just pushed
+out of cache. The torch path serves CUDA, machines without a compiler, and `exact`.
 """
 
 from __future__ import annotations
 
 import torch
+
+from batchgen.config import SAMPLER_KERNELS
 
 _M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _M2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -74,11 +80,33 @@ def _inverse_cdf_blocked(weights: torch.Tensor, u: torch.Tensor, block: int = 25
     return b * block + j
 
 
+def fused_kernel(choice: str, device) -> str | None:
+    """None where the fused C++ sampler serves `device` under `choice`, else why not."""
+    if choice not in SAMPLER_KERNELS:
+        raise ValueError(f"sampler {choice!r}: one of {', '.join(SAMPLER_KERNELS)}")
+    if choice == "torch":
+        return "asked for"
+    if torch.device(device).type != "cpu":
+        why = "not on CPU"
+    else:
+        from batchgen import kernels
+
+        why = kernels.load("sample")
+    if why is not None and choice == "fused":
+        raise RuntimeError(f"sampler fused asked for, but it cannot serve here: {why}")
+    return why
+
+
 class Sampler:
-    def __init__(self, vocab_size: int, device):
+    def __init__(self, vocab_size: int, device, kernel: str = "auto"):
         self.vocab_size = vocab_size
         self.device = device
+        self.torch_why = fused_kernel(kernel, device)  # None: the fused kernel samples
         self._buf: torch.Tensor | None = None  # scratch [rows, V] for the scaled logits
+
+    @property
+    def name(self) -> str:
+        return "fused C++ (built on this machine)" if self.torch_why is None else f"torch ({self.torch_why})"
 
     @staticmethod
     def num_candidates(max_top_k: int, vocab_size: int) -> int:
@@ -86,14 +114,17 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
                seed: torch.Tensor, counter: torch.Tensor, all_greedy: bool, use_top: bool, any_plain: bool = True,
-               max_top_k: int = 0, any_greedy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+               max_top_k: int = 0, any_greedy: bool = True) -> torch.Tensor:
         """logits [R, V] fp32; per-row temperature/top_p [R] float, top_k/seed/counter [R] int64.
         Host-side facts about the sampled rows, so that no branch needs a sync: use_top (some row has
         top-k or top-p), any_plain (some row has neither), max_top_k, any_greedy (some row has T = 0).
-        Returns token ids [R] (greedy where temperature is 0) and, with top-k/top-p, a bool [R]: rows
-        whose kept set reaches past the candidates, to be redone by `exact` (their token is invalid)."""
+        Returns token ids [R] (greedy where temperature is 0), -1 at rows whose kept set reaches past
+        the candidates (only with top-k/top-p): `exact` redoes those."""
         if all_greedy:
-            return logits.argmax(dim=-1), None
+            return logits.argmax(dim=-1)
+        k = self.num_candidates(max_top_k, self.vocab_size)
+        if self.torch_why is None:
+            return torch.ops.batchgen_sample.sample(logits.float(), temperature, top_p, top_k, seed, counter, k)
         u = hash_uniform(seed, counter)
         inv_t = 1.0 / temperature.clamp(min=1e-5)
         # log-probabilities at temperature T, in a buffer kept across steps (no 50k x R allocation)
@@ -102,14 +133,13 @@ class Sampler:
         if any_plain or not use_top:  # temperature only: the whole vocabulary, in id order
             sampled = _inverse_cdf_blocked(logp.exp_() if not use_top else logp.exp(), u)
         if use_top:
-            k = self.num_candidates(max_top_k, self.vocab_size)
             top, short = self._top(logits, logp, top_p, top_k, u, k)
             plain = (top_p >= 1.0) & (top_k <= 0)
             sampled = top if sampled is None else torch.where(plain, sampled, top)
             short &= ~plain & (temperature > 0)
         if any_greedy:
             sampled = torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
-        return sampled, short
+        return sampled if short is None else torch.where(short, -1, sampled)
 
     def _scratch(self, logits: torch.Tensor) -> torch.Tensor:
         R = logits.shape[0]
@@ -151,9 +181,10 @@ class Sampler:
                  seed: torch.Tensor, counter: torch.Tensor, all_greedy: bool, use_top: bool) -> torch.Tensor:
         """`sample`, then `exact` for any flagged row (a second host sync, only then)."""
         max_top_k = int(top_k.max()) if use_top else 0
-        tokens, short = self.sample(logits, temperature, top_p, top_k, seed, counter, all_greedy, use_top,
-                                    max_top_k=max_top_k)
-        if short is not None and bool(short.any()):
+        tokens = self.sample(logits, temperature, top_p, top_k, seed, counter, all_greedy, use_top,
+                             max_top_k=max_top_k)
+        short = tokens < 0
+        if bool(short.any()):
             rows = short.nonzero()[:, 0]
             tokens = tokens.clone()
             tokens[rows] = self.exact(logits[rows], temperature[rows], top_p[rows], top_k[rows], seed[rows],

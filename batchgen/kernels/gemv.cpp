@@ -5,7 +5,7 @@
 // Zen 4 whose memory reads at ~41 GB/s (SmolLM2-135M's matrices, batch 1). This kernel streams each
 // column block of W (K x BN floats, contiguous) once, keeping BN outputs for up to R rows in vector
 // registers: the shape of Inductor's own CPU GEMM template for small M, without its need for the
-// weights to be graph constants. It is built on the machine that runs it (batchgen/model/gemv.py,
+// weights to be graph constants. It is built on the machine that runs it (batchgen/kernels,
 // -march=native), so the vector width below is the machine's.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

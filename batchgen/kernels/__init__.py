@@ -1,0 +1,93 @@
+"""batchgen's C++ CPU kernels (the `.cpp` files beside this one), built on the machine that runs them.
+
+Each kernel is compiled with the machine's own vector instructions (-march=native), so it is built
+here, not shipped: once per machine, source, torch version and compiler, into BATCHGEN_KERNEL_DIR
+(default BATCHGEN_HOME/kernels), about 10 s each; later processes load the cached library. Where
+there is no C++ compiler, or the build fails, `load()` says why and the caller keeps its torch path.
+
+- gemv.cpp: the float32 decode matmul (batchgen.model.gemv);
+- sample.cpp: the fused sampler (batchgen.engine.sampler).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from batchgen.config import batchgen_home
+
+_loaded: dict[str, str | None] = {}  # this process: kernel name -> None once loaded, or why it could not be
+
+
+def source(name: str) -> Path:
+    return Path(__file__).with_name(f"{name}.cpp")
+
+
+def kernel_dir() -> Path:
+    return Path(os.environ.get("BATCHGEN_KERNEL_DIR", batchgen_home() / "kernels"))
+
+
+def _cpu_flags() -> str:
+    """What -march=native compiles for: the CPU's feature flags (a library built for one CPU may not
+    run on another that lacks its instructions; BATCHGEN_HOME can be a shared disk)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _command(name: str, compiler: str, out: Path) -> list[str]:
+    from torch.utils.cpp_extension import include_paths
+
+    arch = "-mcpu=native" if platform.machine() in ("aarch64", "arm64") else "-march=native"
+    lib = Path(torch.__file__).parent / "lib"
+    return [compiler, "-O3", arch, "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *(f"-I{p}" for p in include_paths()), str(source(name)), f"-L{lib}", "-lc10", "-ltorch_cpu",
+            "-o", str(out)]
+
+
+def library_path(name: str, compiler: str) -> Path:
+    key = hashlib.sha256("\n".join([source(name).read_text(), torch.__version__, compiler, platform.machine(),
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    return kernel_dir() / f"{name}-{key}.so"
+
+
+def load(name: str) -> str | None:
+    """Load kernel `name`'s library into this process (its ops appear under torch.ops), building it
+    first where this machine has none. None once loaded; else, why it cannot be used here."""
+    if name in _loaded:
+        return _loaded[name]
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        if shutil.which(compiler) is None:
+            raise RuntimeError(f"no C++ compiler ({compiler!r} not found)")
+        so = library_path(name, compiler)
+        if not so.exists():
+            so.parent.mkdir(parents=True, exist_ok=True)
+            # built beside its final name, then renamed: a process that loads it never sees half a file
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
+            os.close(fd)
+            try:
+                r = subprocess.run(_command(name, compiler, Path(tmp)), capture_output=True, text=True)
+                if r.returncode:
+                    raise RuntimeError(f"build failed: {r.stderr.strip()[-300:]}")
+                os.replace(tmp, so)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        torch.ops.load_library(str(so))
+        _loaded[name] = None
+    except (OSError, RuntimeError) as e:
+        _loaded[name] = f"{type(e).__name__}: {e}"
+    return _loaded[name]
