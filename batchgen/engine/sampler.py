@@ -118,8 +118,9 @@ class Sampler:
         """logits [R, V] fp32; per-row temperature/top_p [R] float, top_k/seed/counter [R] int64.
         Host-side facts about the sampled rows, so that no branch needs a sync: use_top (some row has
         top-k or top-p), any_plain (some row has neither), max_top_k, any_greedy (some row has T = 0).
-        Returns token ids [R] (greedy where temperature is 0), -1 at rows whose kept set reaches past
-        the candidates (only with top-k/top-p): `exact` redoes those."""
+        Returns token ids [R] (greedy where temperature is 0). The torch path gives -1 at rows whose
+        kept set reaches past the candidates (only with top-k/top-p), which `exact` redoes; the fused
+        kernel redoes them inside its call."""
         if all_greedy:
             return logits.argmax(dim=-1)
         k = self.num_candidates(max_top_k, self.vocab_size)
