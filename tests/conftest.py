@@ -65,6 +65,22 @@ def tiny_model_dir(tmp_path_factory, real_model_dir) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), real_model_dir)
 
 
+def engine_tokens(model_dir, prompts: list[str], sampling, **config) -> tuple[dict, dict]:
+    """The native engine's real path over text prompts, run to the end: (request id -> output token
+    ids, the engine's conditions). `sampling`: SamplingParams, or a function of the prompt's index."""
+    from batchgen.config import EngineConfig
+    from batchgen.engine.native import NativeEngine
+
+    e = NativeEngine(model_dir, EngineConfig(**config))
+    for i, p in enumerate(prompts):
+        e.add(str(i), e.tokenizer.encode(p), sampling(i) if callable(sampling) else sampling)
+    out = {}
+    while e.has_unfinished():
+        for f in e.step().finished:
+            out[f.request_id] = f.output_token_ids
+    return out, e.conditions()
+
+
 def read_run_table(run_dir, table: str):
     """One output table of a run, from the files its manifests commit (what every reader must see)."""
     from batchgen.data.run import RunDir

@@ -14,6 +14,8 @@ from batchgen.engine.native import NativeEngine
 from batchgen.model import gemv
 from batchgen.model.linear import Linear, fp32_kernel
 
+from conftest import engine_tokens
+
 WIDTH = gemv.load()
 needs_kernel = pytest.mark.skipif(isinstance(WIDTH, str), reason=f"gemv kernel unavailable: {WIDTH}")
 
@@ -97,15 +99,10 @@ def test_without_a_compiler_auto_falls_back_to_onednn_and_says_why(tmp_path, mon
 @needs_kernel
 def test_gemv_and_onednn_give_the_same_greedy_tokens_on_the_real_model(real_model_dir):
     def run(kernel: str):
-        e = NativeEngine(real_model_dir, EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=256,
-                                                      compile="off", fp32_kernel=kernel))
-        for i, p in enumerate(["Name three rivers.", "What is 7 squared?", "Say hello in Spanish.", "Why is the sky blue?"]):
-            e.add(str(i), e.tokenizer.encode(p), SamplingParams(max_tokens=16, ignore_eos=True))
-        out = {}
-        while e.has_unfinished():
-            for f in e.step().finished:
-                out[f.request_id] = f.output_token_ids
-        return out, e.conditions()["weight_layout"]
+        out, cond = engine_tokens(real_model_dir, ["Name three rivers.", "What is 7 squared?", "Say hello in Spanish.",
+                                                   "Why is the sky blue?"], SamplingParams(max_tokens=16, ignore_eos=True),
+                                  dtype="float32", max_num_seqs=4, max_model_len=256, compile="off", fp32_kernel=kernel)
+        return out, cond["weight_layout"]
 
     got, layout = run("gemv")
     ref, ref_layout = run("onednn")

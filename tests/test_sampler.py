@@ -178,21 +178,17 @@ def test_without_a_compiler_auto_samples_with_torch_and_says_why(tmp_path, monke
 def test_the_engine_samples_the_same_tokens_with_either_sampler_on_the_real_model(real_model_dir):
     """Sampled generation (T 0.8, top-p 0.9, and one row with top-k 20) through the native engine:
     the fused kernel and the torch path give the same tokens, and the conditions say which ran."""
-    from batchgen.config import EngineConfig, SamplingParams
-    from batchgen.engine.native import NativeEngine
+    from batchgen.config import SamplingParams
+
+    from conftest import engine_tokens
 
     def run(sampler: str):
-        e = NativeEngine(real_model_dir, EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=256,
-                                                      compile="off", sampler=sampler))
-        prompts = ["Name three rivers.", "Write a haiku about rain.", "Say hello in Spanish.", "Tell a story."]
-        for i, p in enumerate(prompts):
-            e.add(str(i), e.tokenizer.encode(p), SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8,
-                                                                 top_p=0.9, top_k=20 if i == 3 else 0, seed=i))
-        out = {}
-        while e.has_unfinished():
-            for f in e.step().finished:
-                out[f.request_id] = f.output_token_ids
-        return out, e.conditions()["sampler"]
+        out, cond = engine_tokens(real_model_dir, ["Name three rivers.", "Write a haiku about rain.",
+                                                   "Say hello in Spanish.", "Tell a story."],
+                                  lambda i: SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9,
+                                                           top_k=20 if i == 3 else 0, seed=i),
+                                  dtype="float32", max_num_seqs=4, max_model_len=256, compile="off", sampler=sampler)
+        return out, cond["sampler"]
 
     got, name = run("fused")
     ref, ref_name = run("torch")
