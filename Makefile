@@ -22,6 +22,8 @@ $(VENV)/.installed: pyproject.toml
 
 model: setup
 	$(VENV)/bin/batchgen model prepare
+	# the C++ CPU kernels (fp32 matmul, sampler), built once for this machine's vector instructions
+	$(VENV)/bin/batchgen kernels build
 
 demo: model
 	$(PY) -m flows.pipeline --config configs/cpu-demo.yaml

@@ -91,6 +91,13 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def cmd_kernels(args) -> int:
+    from batchgen import kernels
+
+    print("\n".join(kernels.build_all()))
+    return 0  # a kernel that cannot be built is not an error: the torch / oneDNN path serves
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchgen", description="Offline batch LLM generation.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,13 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="model files").add_subparsers(dest="model_cmd", required=True)
     prep = model.add_parser("prepare", help="convert the shipped SmolLM2 GGUF into a local HF directory, once")
     prep.add_argument("--force", action="store_true")
+    kern = sub.add_parser("kernels", help="this machine's C++ CPU kernels").add_subparsers(dest="kernels_cmd",
+                                                                                           required=True)
+    kern.add_parser("build", help="build them now (once per machine; otherwise the first run that needs one does)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"generate": cmd_generate, "report": cmd_report, "bench": cmd_bench,
-               "lab": cmd_lab, "model": cmd_prepare}[args.command]
+               "lab": cmd_lab, "model": cmd_prepare, "kernels": cmd_kernels}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt as e:  # SIGINT, or SIGTERM during a run (batchgen.runner.Interrupted)

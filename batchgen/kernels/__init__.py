@@ -23,6 +23,7 @@ import torch
 
 from batchgen.config import batchgen_home
 
+NAMES = ("gemv", "sample")
 _loaded: dict[str, str | None] = {}  # this process: kernel name -> None once loaded, or why it could not be
 
 
@@ -91,3 +92,15 @@ def load(name: str) -> str | None:
     except (OSError, RuntimeError) as e:
         _loaded[name] = f"{type(e).__name__}: {e}"
     return _loaded[name]
+
+
+def build_all() -> list[str]:
+    """Build (or find) and load every kernel now, as `batchgen kernels build` does at set-up, so that
+    a machine's first run does not pay for it: a line per kernel, ready at its path or why not."""
+    compiler = os.environ.get("CXX", "c++")
+    lines = []
+    for name in NAMES:
+        why = load(name)
+        lines.append(f"{name}: ready, {library_path(name, compiler)}" if why is None else
+                     f"{name}: unavailable here ({why}); its torch path serves instead")
+    return lines
