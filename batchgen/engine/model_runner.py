@@ -29,7 +29,9 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size, device, sampler)  # sampler: batchgen.config.SAMPLER_KERNELS
         self.constraints = constraints  # batchgen.engine.structured.GrammarConstraints: masks constrained rows
         self.num_computed_positions = 0  # positions run through the model (the lab's count)
-        self.num_exact_fallbacks = 0  # sampled rows whose top-p set reached past the candidates
+        # sampled rows whose top-p set reached past the candidates, redone by `_exact` (the torch sampler
+        # only: the fused one redoes them inside its call)
+        self.num_exact_fallbacks = 0
         # host seconds choosing tokens from logits (argmax, or the sampler and its exact fallback): on CPU
         # their compute, which the bench reports as a share of the decode steps; on CUDA mostly launches
         # (the kernels run asynchronously until the step's one sync). Logprobs are not included.
