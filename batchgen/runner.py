@@ -168,6 +168,7 @@ def run_shard(cfg: RunConfig, run: RunDir, dataset: PromptDataset, engine: Engin
         _generate_isolating_failures(engine, writer, prepared, progress)
         manifest = run.commit_shard(index, writer.tables(), shard.table.column("id").combine_chunks(),
                                     {"output_tokens": writer.num_output_tokens}, fence=lease)
+        run.refresh_attempt(engine.conditions())  # compile seconds grow as buckets are first used
         checkpoint("shard-done")
         return manifest
 
@@ -231,13 +232,15 @@ def run_shard_in_worker(cfg: RunConfig, run_path: str, index: int) -> dict[str, 
     return manifest or {"shard": index, "skipped": True}
 
 
-_RECORDED: set[str] = set()
+_RECORDED: dict[str, str | None] = {}  # run path -> this process's attempt file in it
 
 
 def _record_once(run: RunDir, cfg: RunConfig, engine: Engine, probe: bool = True) -> None:
     if str(run.path) not in _RECORDED:
         run.record_attempt(run_conditions(cfg, engine, probe))
-        _RECORDED.add(str(run.path))
+        _RECORDED[str(run.path)] = run.attempt_file
+    else:  # a worker opens the run afresh for each shard: it keeps writing to its one attempt
+        run.attempt_file = _RECORDED[str(run.path)]
 
 
 def finalize(opened: OpenRun) -> dict[str, int]:
@@ -313,7 +316,7 @@ def generate(cfg: RunConfig, on_shard: Callable[[dict], None] | None = None, pro
         engine = None
         try:
             engine = load_engine(cfg, opened.model_dir)
-            _RECORDED.discard(str(opened.run.path))
+            _RECORDED.pop(str(opened.run.path), None)
             _record_once(opened.run, cfg, engine, probe)
             progress = _Progress(cfg.progress, opened.dataset.num_rows, opened.run.name)
             for shard in opened.dataset.shards(cfg.shard_size):  # one streaming pass over the input

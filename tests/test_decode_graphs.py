@@ -129,3 +129,18 @@ def test_a_compile_that_fails_under_auto_falls_back_to_the_eager_step(tiny_model
         with pytest.raises(Exception):
             generate(tiny_model_dir, "auto", compile="on")
     torch._dynamo.reset()
+
+
+def test_run_json_records_the_seconds_compiled_during_the_run(tiny_model_dir, tmp_path, monkeypatch):
+    """Buckets compile on first use, after the attempt's conditions were first written: each shard's
+    commit rewrites them, so run.json's compile_s counts every compile of the run."""
+    import json
+
+    from conftest import make_run
+
+    monkeypatch.setenv("BATCHGEN_HOME", str(tmp_path))
+    decode_graphs._record_compile_s("cpu", 1e-4)  # cheap compiles on record: auto compiles at once (the defaults)
+    doc = json.loads((make_run(tmp_path, tiny_model_dir, "compiled", max_num_seqs=4) / "run.json").read_text())
+    engine = doc["conditions"]["engine"]
+    assert engine["compile"] == "auto: whole decode step per bucket" and engine["compile_s"] > 0
+    assert doc["attempts"][0]["conditions"]["engine"]["compile_s"] == engine["compile_s"]

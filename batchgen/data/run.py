@@ -59,7 +59,7 @@ class RunDir:
         self.path = self.store.location  # a local path or a URI, as given
         self.name = basename(self.path)
         self._lock = Lease(self.store, ".lock", f"run directory {self.path}")
-        self._attempt_file: str | None = None
+        self.attempt_file: str | None = None
 
     @staticmethod
     def shard_name(index: int) -> str:
@@ -116,16 +116,24 @@ class RunDir:
         """One file per engine-holding process (workers may run in parallel); merged into run.json."""
         doc = {"started_wall": time.time(), "host": socket.gethostname(), "pid": os.getpid(), "status": "running",
                "conditions": conditions}
-        self._attempt_file = f"_attempts/{doc['started_wall']:.6f}-{doc['host']}-{doc['pid']}.json"
-        self.store.write(self._attempt_file, json.dumps(doc, default=str).encode())
+        self.attempt_file = f"_attempts/{doc['started_wall']:.6f}-{doc['host']}-{doc['pid']}.json"
+        self.store.write(self.attempt_file, json.dumps(doc, default=str).encode())
+
+    def refresh_attempt(self, engine_conditions: dict[str, Any]) -> None:
+        """Rewrite this process's attempt with the engine's conditions as they stand now: some are only
+        known once the run has gone on (the seconds spent compiling buckets on their first use)."""
+        if self.attempt_file is not None and self.store.exists(self.attempt_file):
+            doc = json.loads(self.store.read_bytes(self.attempt_file))
+            doc["conditions"]["engine"] = engine_conditions
+            self.store.write(self.attempt_file, json.dumps(doc, default=str).encode())
 
     def end_attempt(self, status: str, detail: str | None = None) -> None:
         """Say how this process's attempt ended: completed | interrupted | failed; and, if we hold the
         run's lease, merge every attempt into run.json."""
-        if self._attempt_file is not None and self.store.exists(self._attempt_file):
-            doc = json.loads(self.store.read_bytes(self._attempt_file))
+        if self.attempt_file is not None and self.store.exists(self.attempt_file):
+            doc = json.loads(self.store.read_bytes(self.attempt_file))
             doc.update(status=status, ended_wall=time.time(), **({"detail": detail} if detail else {}))
-            self.store.write(self._attempt_file, json.dumps(doc, default=str).encode())
+            self.store.write(self.attempt_file, json.dumps(doc, default=str).encode())
         if self._lock.held:
             self._merge_attempts()
 
