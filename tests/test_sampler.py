@@ -212,3 +212,36 @@ def test_the_sampler_choice_reaches_the_engine_from_the_run_settings():
         GenerateSettings(input=["x.parquet"], sampler="numpy")
     with pytest.raises(ValueError, match="sampler must be one of"):
         EngineConfig(sampler="numpy")
+
+
+
+def test_logprobs_come_back_with_the_tokens_and_match_them_on_redone_rows(tiny_model_dir):
+    """The tiny random model's rows are flat: with top-p 0.95 the torch sampler flags them for its exact
+    path after the step's one transfer. Their logprobs must then be those of the token finally chosen
+    (the fused kernel, which redoes such rows inside its call, is the reference), and asking for
+    logprobs must not change a token."""
+    from batchgen.config import EngineConfig, SamplingParams
+    from batchgen.engine.native import NativeEngine
+
+    def run(kernel, logprobs):
+        e = NativeEngine(tiny_model_dir, EngineConfig(dtype="float32", max_num_seqs=3, max_model_len=64,
+                                                      compile="off", sampler=kernel))
+        for i in range(3):
+            e.add(str(i), list(range(10 + i, 20 + 2 * i)),
+                  SamplingParams(max_tokens=5, ignore_eos=True, temperature=1.2, top_p=0.95, seed=i, logprobs=logprobs))
+        toks, lps = {}, []
+        while e.has_unfinished():
+            r = e.step()
+            lps += zip(r.token_request_ids, r.token_indices, r.token_logprobs, r.token_top_logprobs)
+            toks.update({f.request_id: f.output_token_ids for f in r.finished})
+        return toks, [(toks[rid][i], lp, top) for rid, i, lp, top in lps], e.runner.num_exact_fallbacks
+
+    plain, _, _ = run("torch", None)
+    toks, lps, redone = run("torch", 3)
+    assert toks == plain and redone > 0 and len(lps) == 15
+    for tok, lp, top in lps:
+        assert lp <= 0 and len(top) == 3 and top[0][1] >= lp  # the chosen token's, under the best one
+    if FUSED_WHY is None:
+        f_toks, f_lps, f_redone = run("fused", 3)
+        assert f_toks == toks and f_redone == 0
+        assert [(t, pytest.approx(lp, abs=1e-5)) for t, lp, _ in f_lps] == [(t, lp) for t, lp, _ in lps]

@@ -3,7 +3,7 @@ runs one forward pass over a scheduled step.
 
 A step's tokens are every scheduled chunk's tokens side by side ([T], no padding): the running
 requests' decode tokens and chunks of prompts, in one pass over the weights. The only host sync is
-the final `.tolist()` of the sampled tokens.
+the final `.tolist()` of the sampled tokens (and, where asked, their logprobs, in the same transfer).
 """
 
 from __future__ import annotations
@@ -63,14 +63,17 @@ class ModelRunner:
         t0 = time.perf_counter()
         tokens = self._sample(masked, sampling, offsets)
         wants = [r.sampling.logprobs for r in sampling]
-        toks = tokens.tolist()  # the one host sync
-        if -1 in toks:  # a flat distribution reached past the candidates
-            toks = self._exact(masked, sampling, offsets, toks)
-            tokens = torch.tensor(toks, device=tokens.device)
-        self.sample_s += time.perf_counter() - t0
+        info = None
         if all(k is None for k in wants):
-            return toks, None
-        return self._with_logprobs(logits, tokens, wants)
+            toks = tokens.tolist()  # the one host sync
+        else:  # the logprobs come back in the tokens' transfer: still one sync
+            toks, info = self._with_logprobs(logits, tokens, wants)
+        if -1 in toks:  # a flat distribution reached past the candidates (torch sampler; rare): a 2nd sync
+            toks = self._exact(masked, sampling, offsets, toks)
+            if info is not None:  # the chosen tokens' logprobs again, for the rows redone
+                toks, info = self._with_logprobs(logits, torch.tensor(toks, device=tokens.device), wants)
+        self.sample_s += time.perf_counter() - t0
+        return toks, info
 
     @staticmethod
     def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, wants: list[int | None]):
@@ -78,7 +81,7 @@ class ModelRunner:
         default raw_logprobs): the chosen token's and the top k, read back in the same single sync."""
         R, k = tokens.shape[0], max(w or 0 for w in wants)
         lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
-        chosen = lp.gather(1, tokens[:, None])[:, 0]  # [R]
+        chosen = lp.gather(1, tokens.clamp(min=0)[:, None])[:, 0]  # [R] (a -1 row is redone by the caller)
         top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], tokens[:, None][:, :0])  # [R, k]
         # float64 holds token ids exactly, so everything comes back in one transfer
         flat = torch.cat([tokens.double(), chosen.double(), top_v.double().flatten(), top_i.double().flatten()]).tolist()
