@@ -268,11 +268,15 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
     from batchgen.model.linear import can_int4, fp32_kernel
 
     variants = []  # (name, dtype, quantization, compile, fp32 kernel)
+    # fp32 on batchgen's gemv where it builds, with oneDNN's as its peer: not `auto`, which takes one
+    # of them for the band of max(batches) and so would put every batch on the same one
+    has_gemv = fp32_kernel("auto", "cpu")[0] is not None
+    fp32 = "gemv" if has_gemv else "auto"
     for name in engines:
-        variants.append((name, "float32", "none", "off", "auto"))
+        variants.append((name, "float32", "none", "off", fp32 if name == "native" else "auto"))
         if name == "native":  # eager above; below, the decode step compiled per bucket (warmed up first)
-            variants.append(("native:compiled", "float32", "none", "on", "auto"))
-            if fp32_kernel("auto", "cpu")[0] is not None:  # fp32 runs batchgen's gemv: oneDNN's as its peer
+            variants.append(("native:compiled", "float32", "none", "on", fp32))
+            if has_gemv:
                 variants.append(("native:onednn", "float32", "none", "on", "onednn"))
             variants.append(("native:auto", "auto", "none", "on", "auto"))
             if can_int4("cpu"):  # the 4-bit weight path, measured where it loses too
@@ -473,8 +477,12 @@ def targets(results: list[Measurement]) -> list[str]:
     for b in sorted({m.batch for m in results if m.section == "grid"}):  # the fp32 kernels, side by side
         g, o = get("native:compiled", b, "greedy"), get("native:onednn", b, "greedy")
         if g and o and g.step_itl_p50_s and o.step_itl_p50_s:
+            from batchgen.engine.precision import resolve_fp32_kernel
+
+            auto = resolve_fp32_kernel("auto", "cpu", b)[0]  # the machine's crossover (cached once measured)
             out.append(f"  batch {b} fp32 greedy, gemv kernel / oneDNN's (compiled), median decode step: "
-                       f"{o.step_itl_p50_s / g.step_itl_p50_s:.2f}x; whole runs (tok/s) {g.tok_per_s / o.tok_per_s:.2f}x")
+                       f"{o.step_itl_p50_s / g.step_itl_p50_s:.2f}x; whole runs (tok/s) {g.tok_per_s / o.tok_per_s:.2f}x; "
+                       f"--fp32-kernel auto takes {auto} at this batch")
     for engine in ("native", "native:compiled"):
         for b in sorted({m.batch for m in results if m.section == "grid"}):
             g, s = get(engine, b, "greedy"), get(engine, b, "sampled")

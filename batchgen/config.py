@@ -23,7 +23,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 TOO_LONG_POLICIES = ("error", "truncate")
 ENGINES = ("native", "vllm")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
-# float32's CPU matmul (batchgen.model.linear): batchgen's gemv kernel, oneDNN's, or gemv where it builds
+# float32's CPU matmul (batchgen.model.linear): batchgen's gemv kernel, oneDNN's, or the faster of the two
+# at the run's batch band, measured once per machine (batchgen.engine.precision.resolve_fp32_kernel)
 FP32_KERNELS = ("auto", "gemv", "onednn")
 # how the native engine draws sampled tokens (batchgen.engine.sampler): the fused C++ kernel (CPU,
 # built on this machine), the torch ops, or fused where it serves

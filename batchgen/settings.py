@@ -95,7 +95,8 @@ class GenerateSettings(BaseModel):
     fp32_kernel: Literal["auto", "gemv", "onednn"] = Field(
         "auto", title="float32 CPU matmul (native engine)",
         description="gemv: batchgen's kernel, built once per machine for its vector instructions (needs a C++ "
-                    "compiler); onednn: oneDNN's prepacked kernel; auto: gemv where it builds, else onednn")
+                    "compiler); onednn: oneDNN's prepacked kernel; auto: the faster of the two at the batch band nearest "
+                    "max_num_seqs, measured once per machine (oneDNN's where gemv does not build)")
     sampler: Literal["auto", "fused", "torch"] = Field(
         "auto", title="Sampler (native engine)",
         description="fused: temperature, top-k and top-p in one C++ call per step, built once per machine (needs a "

@@ -126,3 +126,56 @@ def test_gpu_check_runs_its_code_path_on_cpu_with_a_small_shape(tmp_path, monkey
     assert all(r["tok_per_s"] > 0 and 0 < r["mbu"] and r["itl_p50_ms"] <= r["itl_p99_ms"] for r in rows)
     assert "shape small" in lines[0] and "probe peak read" in lines[0]
     assert all("tok/s" in l and "MBU" in l for l in lines[1:])
+
+
+def test_fp32_kernel_auto_takes_the_faster_kernel_for_the_batch_band(tmp_path, monkeypatch):
+    """The crossover is measured once per machine (gemv and oneDNN's kernel in turns at each band);
+    a band then takes oneDNN's only where it is FP32_KERNEL_MARGIN faster. A table written where the
+    cache lives decides the choice the same way."""
+    monkeypatch.setenv("BATCHGEN_HOME", str(tmp_path))
+    from batchgen.metrics.probe import machine_key
+    from batchgen.model.linear import fp32_kernel
+
+    assert precision.resolve_fp32_kernel("onednn", "cpu", 1) == ("onednn", "as requested")
+    width, why = fp32_kernel("auto", "cpu")
+    if width is None:  # no compiler here: oneDNN's, and the reason
+        assert precision.resolve_fp32_kernel("auto", "cpu", 1) == ("onednn", f"gemv unavailable: {why}")
+        return
+    kernel, why = precision.resolve_fp32_kernel("auto", "cpu", 256)  # the real measurement
+    assert "measured in this run" in why and "band 256" in why
+    record = tmp_path / "probe" / f"{machine_key('cpu')}-fp32-kernel-gemv{width}.json"
+    speeds = json.loads(record.read_text())["speeds"]
+    assert set(speeds) == {"1", "8", "64", "256"} and all(set(v) == {"gemv", "onednn"} for v in speeds.values())
+    assert kernel == ("onednn" if speeds["256"]["onednn"] * precision.FP32_KERNEL_MARGIN < speeds["256"]["gemv"]
+                      else "gemv")
+    table = {"speeds": {"1": {"gemv": 1.0, "onednn": 2.0}, "8": {"gemv": 1.0, "onednn": 0.99},
+                        "64": {"gemv": 2.0, "onednn": 1.0}, "256": {"gemv": 2.0, "onednn": 1.0}},
+             "bytes_fp32": 1 << 20}
+    record.write_text(json.dumps(table))
+    assert precision.resolve_fp32_kernel("auto", "cpu", 1)[0] == "gemv"
+    assert precision.resolve_fp32_kernel("auto", "cpu", 8)[0] == "gemv"  # 1% faster: within the margin
+    kernel, why = precision.resolve_fp32_kernel("auto", "cpu", 48)
+    assert kernel == "onednn" and "band 64" in why and "cached" in why
+
+
+def test_the_engine_runs_float32_on_the_kernel_auto_takes_for_its_band(tmp_path, monkeypatch, tiny_model_dir):
+    monkeypatch.setenv("BATCHGEN_HOME", str(tmp_path))
+    from batchgen.metrics.probe import machine_key
+    from batchgen.model.linear import fp32_kernel
+
+    width, _ = fp32_kernel("auto", "cpu")
+    if width is None:
+        pytest.skip("no gemv kernel here (the fallback is tested in test_gemv)")
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe" / f"{machine_key('cpu')}-fp32-kernel-gemv{width}.json").write_text(json.dumps(
+        {"speeds": {"1": {"gemv": 1.0, "onednn": 2.0}, "8": {"gemv": 1.0, "onednn": 2.0},
+                    "64": {"gemv": 2.0, "onednn": 1.0}, "256": {"gemv": 2.0, "onednn": 1.0}}, "bytes_fp32": 1 << 20}))
+
+    def layout(max_num_seqs, kernel="auto"):
+        e = NativeEngine(tiny_model_dir, EngineConfig(dtype="float32", max_num_seqs=max_num_seqs, max_model_len=64,
+                                                      fp32_kernel=kernel))
+        return e.conditions()["weight_layout"]
+
+    assert layout(2).startswith("gemv") and "auto: gemv at batch band 1" in layout(2)
+    assert layout(64).startswith("onednn-packed") and "auto: onednn at batch band 64" in layout(64)
+    assert layout(64, "gemv").startswith("gemv") and "auto" not in layout(64, "gemv")

@@ -23,7 +23,7 @@ from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.decode_graphs import DecodeGraphs
 from batchgen.engine.kv_cache import PagedKVCache, free_memory_bytes
 from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.precision import resolve_dtype
+from batchgen.engine.precision import resolve_dtype, resolve_fp32_kernel
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.speculative import NgramProposer
@@ -49,17 +49,22 @@ class NativeEngine(Engine):
         if model is not None:
             self.model, self.dtype, self.dtype_choice = model, str(model.dtype).removeprefix("torch."), "the model's"
         else:
+            fp32, fp32_why = config.fp32_kernel, None
             if config.quantization == "int4":
                 if not can_int4(config.device):
                     raise ValueError(f"quantization int4 needs PyTorch's int4 CPU kernel; device {config.device!r} "
                                      f"has none here (on CUDA, serve a quantized checkpoint with the vllm engine)")
                 self.dtype, self.dtype_choice = "bfloat16", "int4 weights: the kernel's activations"
             else:
-                self.dtype, self.dtype_choice = resolve_dtype(config.dtype, config.device, config.max_num_seqs,
-                                                              config.fp32_kernel)
+                if config.dtype in ("auto", "float32") and config.pack_weights and config.device == "cpu":
+                    # float32's kernel for this batch band first: `--dtype auto` compares float32 on it
+                    fp32, fp32_why = resolve_fp32_kernel(config.fp32_kernel, config.device, config.max_num_seqs)
+                self.dtype, self.dtype_choice = resolve_dtype(config.dtype, config.device, config.max_num_seqs, fp32)
             self.model = load_model(model_dir, self.dtype, config.device, max_positions=self.max_model_len,
                                     pack_weights=config.pack_weights, quantization=config.quantization,
-                                    fp32_kernel=config.fp32_kernel)
+                                    fp32_kernel=fp32)
+            if self.dtype == "float32" and config.fp32_kernel == "auto" and fp32_why:
+                self.model.layout_note = fp32_why  # which kernel auto took for this band, and the figures
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(model_dir)
         self.eos_token_ids = set(c.eos_token_ids)
         self.clock = clock or monotonic_clock()

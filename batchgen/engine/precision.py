@@ -6,8 +6,9 @@ the answer changes with the batch size. So the crossover is measured, not assume
 a decode step's worth of matmuls (each in its fastest layout, batchgen.model.linear) is timed for
 every dtype at batch bands 1, 8, 64 and 256, and cached beside the hardware probe. float32 is timed
 on the kernel the engine will run it on (batchgen's gemv where it builds, or oneDNN's: a record for
-each), so the choice compares what will actually run. The engine then takes, for the band nearest
-its max_num_seqs, the fastest dtype. On CUDA, bf16 (fp16 where the GPU
+each), so the choice compares what will actually run. Which of those two kernels float32 runs on is
+itself chosen per band the same way (resolve_fp32_kernel), first. The engine then takes, for the band
+nearest its max_num_seqs, the fastest dtype. On CUDA, bf16 (fp16 where the GPU
 has no bf16) without measuring: tensor cores run both at the same rate.
 """
 
@@ -26,27 +27,82 @@ CANDIDATES = ("float32", "bfloat16", "float16")
 _SHAPES = ((3072, 1024), (1024, 3072), (4096, 1024), (1024, 1024)) * 5
 
 
-def measure_dtype_speeds(device: str = "cpu", repeats: int = 2, fp32_width: int | None = None) -> dict:
-    """Seconds per pass over _SHAPES' matrices, per band and dtype: {"speeds": {band: {dtype: s}}}.
-    `fp32_width`: float32 on the gemv kernel with that block width (None: oneDNN's)."""
-    torch.manual_seed(0)
+def _fastest_passes(variants: dict[str, list], dt: torch.dtype, repeats: int) -> dict[str, dict[str, float]]:
+    """{band: {variant: the fastest of `repeats` passes over its matrices, seconds}}. The variants take
+    turns inside each repeat, so a slow patch of a shared machine falls on all of them."""
     speeds: dict[str, dict[str, float]] = {}
-    for name in CANDIDATES:
-        dt = getattr(torch, name)
-        mats = [Linear((torch.randn(n, k) * 0.02).to(dt), gemv_width=fp32_width) for n, k in _SHAPES]
-        for band in BANDS:
-            xs = {k: torch.randn(band, k).to(dt) for k in {m.in_features for m in mats}}
-            best = math.inf
-            with torch.inference_mode():
+    ks = {m.in_features for mats in variants.values() for m in mats}
+    for band in BANDS:
+        xs = {k: torch.randn(band, k).to(dt) for k in ks}
+        best = dict.fromkeys(variants, math.inf)
+        with torch.inference_mode():
+            for mats in variants.values():
                 for m in mats[:4]:  # warm each kernel up once
                     m(xs[m.in_features])
-                for _ in range(repeats):
+            for _ in range(repeats):
+                for name, mats in variants.items():
                     t0 = time.perf_counter()
                     for m in mats:
                         m(xs[m.in_features])
-                    best = min(best, time.perf_counter() - t0)
-            speeds.setdefault(str(band), {})[name] = best
+                    best[name] = min(best[name], time.perf_counter() - t0)
+        speeds[str(band)] = best
+    return speeds
+
+
+def _weights() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [torch.randn(n, k) * 0.02 for n, k in _SHAPES]
+
+
+def measure_dtype_speeds(device: str = "cpu", repeats: int = 2, fp32_width: int | None = None) -> dict:
+    """Seconds per pass over _SHAPES' matrices, per band and dtype: {"speeds": {band: {dtype: s}}}.
+    `fp32_width`: float32 on the gemv kernel with that block width (None: oneDNN's)."""
+    speeds: dict[str, dict[str, float]] = {str(b): {} for b in BANDS}
+    for name in CANDIDATES:  # one dtype's matrices at a time: all three would hold ~0.5 GB
+        dt = getattr(torch, name)
+        mats = [Linear(w.to(dt), gemv_width=fp32_width) for w in _weights()]
+        for band, best in _fastest_passes({name: mats}, dt, repeats).items():
+            speeds[band].update(best)
     return {"speeds": speeds, "bytes_fp32": sum(n * k * 4 for n, k in _SHAPES)}
+
+
+def measure_fp32_kernels(device: str, width: int, repeats: int = 3) -> dict:
+    """float32 on batchgen's gemv kernel (block width `width`) and on oneDNN's, per band, in turns:
+    {"speeds": {band: {"gemv": s, "onednn": s}}}."""
+    ws = _weights()
+    speeds = _fastest_passes({"gemv": [Linear(w, gemv_width=width) for w in ws], "onednn": [Linear(w) for w in ws]},
+                             torch.float32, repeats)
+    return {"speeds": speeds, "bytes_fp32": sum(n * k * 4 for n, k in _SHAPES)}
+
+
+# oneDNN's kernel replaces gemv only where it is this much faster: near the crossover (batch 64 on a
+# Zen 3 and a Zen 4) the two trade places from one measurement to the next, and a machine's cached
+# choice should not be a coin toss
+FP32_KERNEL_MARGIN = 1.05
+
+
+def resolve_fp32_kernel(requested: str, device: str, batch: int) -> tuple[str, str]:
+    """(gemv | onednn, why) for float32 weights. gemv streams the weights once for a few rows and wins
+    at decode's small batches; oneDNN's blocked GEMM reuses each tile across many rows and wins as
+    the batch grows (measured on a 2-core Zen 3, 20 matrices of 1024 x 3072: gemv 1.55x at batch 1,
+    1.20x at 8, level at 64, 0.87x at 256). So `auto` takes, for the band nearest max_num_seqs, the
+    faster of the two from a crossover measured once per machine (about 3 s) and cached."""
+    if requested != "auto":
+        return requested, "as requested"
+    width, why = fp32_kernel("auto", device)
+    if width is None:
+        return "onednn", f"gemv unavailable: {why}"
+    from batchgen.metrics.probe import cached_measurement
+
+    m = cached_measurement(f"-fp32-kernel-gemv{width}", device, lambda dev: measure_fp32_kernels(dev, width),
+                           prefix="fp32_kernel")
+    band = band_of(batch)
+    speeds = m["speeds"][str(band)]
+    best = "onednn" if speeds["onednn"] * FP32_KERNEL_MARGIN < speeds["gemv"] else "gemv"
+    return best, (f"auto: {best} at batch band {band} (max_num_seqs {batch}) on this CPU: gemv "
+                  f"{1000 * speeds['gemv']:.1f} ms, oneDNN {1000 * speeds['onednn']:.1f} ms per "
+                  f"{m['bytes_fp32'] >> 20} MiB pass; oneDNN's where {FP32_KERNEL_MARGIN - 1:.0%} faster "
+                  f"({m['fp32_kernel_source']})")
 
 
 def band_of(batch: int) -> int:

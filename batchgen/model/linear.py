@@ -24,8 +24,9 @@ from batchgen.config import FP32_KERNELS
 
 _PACK_HINT = 64  # oneDNN's expected batch for the packing; the packed weight serves every batch
 # float32's CPU kernel (FP32_KERNELS): "gemv" (batchgen.model.gemv, built on this machine), "onednn"
-# (the prepacked oneDNN kernel), or "auto" (gemv where it builds, else onednn). One layout is kept, not
-# both: a second copy of every weight would double the model's memory for a choice per batch size.
+# (the prepacked oneDNN kernel), or "auto" (gemv where it builds, else onednn; the engine narrows auto
+# further, per batch band, in batchgen.engine.precision.resolve_fp32_kernel). One layout is kept, not
+# both: a second copy of every weight would double the model's memory for a choice per step.
 
 
 def let_inductor_call_prepacked() -> None:
