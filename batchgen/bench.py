@@ -368,6 +368,12 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                   "cached_probe_read_bytes_per_s": probe.get("peak_read_bytes_per_s"),
                   "cached_probe": f"{probe.get('probe_source')}, measured {probe.get('probe_measured_at')}",
                   "torch_threads": _threads(), "packages": package_versions()}
+    if "native" in engines:  # what `--fp32-kernel auto` takes per batch on this machine and model
+        from batchgen.engine.precision import decode_matrices, resolve_fp32_kernel
+        from batchgen.model.loader import read_model_config
+
+        shapes = decode_matrices(read_model_config(model_dir))
+        conditions["fp32_kernel_auto"] = {str(b): resolve_fp32_kernel("auto", device, b, shapes)[0] for b in batches}
     return results, conditions
 
 
@@ -444,11 +450,11 @@ def format_bench(results: list[Measurement], conditions: dict) -> str:
             lines.append(f"{m.engine:<8} {m.workload:<8} {m.speculative_k:>2} {m.tok_per_s:>8.1f} "
                          f"{_fmt(m.acceptance_rate, '.2f'):>10} {_fmt(m.speedup_vs_off, '.2f') + ('x' if m.speedup_vs_off else ''):>9} "
                          f"{_fmt(m.identical_to_off, ''):>11}")
-    lines += ["", *targets(results)]
+    lines += ["", *targets(results, conditions)]
     return "\n".join(lines)
 
 
-def targets(results: list[Measurement]) -> list[str]:
+def targets(results: list[Measurement], conditions: dict | None = None) -> list[str]:
     """The issue's targets for this machine, as met / missed, from this run's figures. The native fp32
     figure is the better of eager and compiled (the two rows above it); which one is named."""
     def get(engine, batch, mode):
@@ -477,9 +483,7 @@ def targets(results: list[Measurement]) -> list[str]:
     for b in sorted({m.batch for m in results if m.section == "grid"}):  # the fp32 kernels, side by side
         g, o = get("native:compiled", b, "greedy"), get("native:onednn", b, "greedy")
         if g and o and g.step_itl_p50_s and o.step_itl_p50_s:
-            from batchgen.engine.precision import resolve_fp32_kernel
-
-            auto = resolve_fp32_kernel("auto", "cpu", b)[0]  # the machine's crossover (cached once measured)
+            auto = (conditions or {}).get("fp32_kernel_auto", {}).get(str(b), "?")
             out.append(f"  batch {b} fp32 greedy, gemv kernel / oneDNN's (compiled), median decode step: "
                        f"{o.step_itl_p50_s / g.step_itl_p50_s:.2f}x; whole runs (tok/s) {g.tok_per_s / o.tok_per_s:.2f}x; "
                        f"--fp32-kernel auto takes {auto} at this batch")

@@ -42,6 +42,9 @@ def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, 
     assert "batch 1 fp32 decode MBU at the median step" in text and "sampled / greedy (native fp32), median " \
         "decode step" in text and "of the decode steps sampled" in text
     assert ("gemv kernel / oneDNN's (compiled), median decode step" in text) == gemv_on
+    if gemv_on:  # and what `--fp32-kernel auto` takes at each batch, from this machine's crossover
+        assert set(conditions["fp32_kernel_auto"]) == {"1", "2"}
+        assert all(f"--fp32-kernel auto takes {k} at this batch" in text for k in conditions["fp32_kernel_auto"].values())
     table = pq.read_table(write_parquet(results, conditions, tmp_path / "bench.parquet"))
     assert table.num_rows == len(results) and {"tok_per_s", "itl_p99_s", "decode_mbu", "conditions"} <= set(
         table.column_names)

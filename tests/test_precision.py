@@ -143,7 +143,7 @@ def test_fp32_kernel_auto_takes_the_faster_kernel_for_the_batch_band(tmp_path, m
         return
     kernel, why = precision.resolve_fp32_kernel("auto", "cpu", 256)  # the real measurement
     assert "measured in this run" in why and "band 256" in why
-    record = tmp_path / "probe" / f"{machine_key('cpu')}-fp32-kernel-gemv{width}.json"
+    record = tmp_path / "probe" / f"{machine_key('cpu')}{precision.fp32_kernel_record(width)}.json"
     speeds = json.loads(record.read_text())["speeds"]
     assert set(speeds) == {"1", "8", "64", "256"} and all(set(v) == {"gemv", "onednn"} for v in speeds.values())
     assert kernel == ("onednn" if speeds["256"]["onednn"] * precision.FP32_KERNEL_MARGIN < speeds["256"]["gemv"]
@@ -166,8 +166,11 @@ def test_the_engine_runs_float32_on_the_kernel_auto_takes_for_its_band(tmp_path,
     width, _ = fp32_kernel("auto", "cpu")
     if width is None:
         pytest.skip("no gemv kernel here (the fallback is tested in test_gemv)")
+    from batchgen.model.loader import read_model_config
+
     (tmp_path / "probe").mkdir()
-    (tmp_path / "probe" / f"{machine_key('cpu')}-fp32-kernel-gemv{width}.json").write_text(json.dumps(
+    shapes = precision.decode_matrices(read_model_config(tiny_model_dir))  # the crossover is per model shape
+    (tmp_path / "probe" / f"{machine_key('cpu')}{precision.fp32_kernel_record(width, shapes)}.json").write_text(json.dumps(
         {"speeds": {"1": {"gemv": 1.0, "onednn": 2.0}, "8": {"gemv": 1.0, "onednn": 2.0},
                     "64": {"gemv": 2.0, "onednn": 1.0}, "256": {"gemv": 2.0, "onednn": 1.0}}, "bytes_fp32": 1 << 20}))
 
@@ -179,3 +182,17 @@ def test_the_engine_runs_float32_on_the_kernel_auto_takes_for_its_band(tmp_path,
     assert layout(2).startswith("gemv") and "auto: gemv at batch band 1" in layout(2)
     assert layout(64).startswith("onednn-packed") and "auto: onednn at batch band 64" in layout(64)
     assert layout(64, "gemv").startswith("gemv") and "auto" not in layout(64, "gemv")
+
+
+def test_the_crossover_is_timed_on_the_models_own_matrices(real_model_dir):
+    """A step's matrices, scaled to MEASURE_CAP_BYTES: whole layers and the head cut by one share."""
+    from batchgen.model.loader import read_model_config
+
+    c = read_model_config(real_model_dir)  # SmolLM2-135M: 30 layers, 49152 x 576 head, 538 MB at fp32
+    shapes = precision.decode_matrices(c)
+    layer = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    assert shapes[:4] == layer and len(shapes) % 4 == 1 and shapes[-1][1] == 576
+    share = (len(shapes) // 4) / c.num_layers
+    assert shapes[-1][0] == pytest.approx(c.vocab_size * share, rel=0.05)
+    assert 0.9 * precision.MEASURE_CAP_BYTES <= sum(4 * n * k for n, k in shapes) <= 1.02 * precision.MEASURE_CAP_BYTES
+    assert precision.fp32_kernel_record(24, shapes) != precision.fp32_kernel_record(24)

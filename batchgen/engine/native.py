@@ -23,7 +23,7 @@ from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.decode_graphs import DecodeGraphs
 from batchgen.engine.kv_cache import PagedKVCache, free_memory_bytes
 from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.precision import resolve_dtype, resolve_fp32_kernel
+from batchgen.engine.precision import decode_matrices, resolve_dtype, resolve_fp32_kernel
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.speculative import NgramProposer
@@ -58,7 +58,8 @@ class NativeEngine(Engine):
             else:
                 if config.dtype in ("auto", "float32") and config.pack_weights and config.device == "cpu":
                     # float32's kernel for this batch band first: `--dtype auto` compares float32 on it
-                    fp32, fp32_why = resolve_fp32_kernel(config.fp32_kernel, config.device, config.max_num_seqs)
+                    fp32, fp32_why = resolve_fp32_kernel(config.fp32_kernel, config.device, config.max_num_seqs,
+                                                         decode_matrices(c))
                 self.dtype, self.dtype_choice = resolve_dtype(config.dtype, config.device, config.max_num_seqs, fp32)
             self.model = load_model(model_dir, self.dtype, config.device, max_positions=self.max_model_len,
                                     pack_weights=config.pack_weights, quantization=config.quantization,

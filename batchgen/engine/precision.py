@@ -14,17 +14,20 @@ has no bf16) without measuring: tensor cores run both at the same rate.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 
 import torch
 
+from batchgen.config import ModelConfig
 from batchgen.model.linear import Linear, fp32_kernel
 
 BANDS = (1, 8, 64, 256)
 CANDIDATES = ("float32", "bfloat16", "float16")
 # ~200 MB at fp32 (100 MB at 16 bits): past any CPU's caches, so batch 1 is bandwidth-bound as in decode
 _SHAPES = ((3072, 1024), (1024, 3072), (4096, 1024), (1024, 1024)) * 5
+MEASURE_CAP_BYTES = 256 << 20  # a model's fp32 kernel crossover is timed on at most this much of its matrices
 
 
 def _fastest_passes(variants: dict[str, list], dt: torch.dtype, repeats: int) -> dict[str, dict[str, float]]:
@@ -49,9 +52,9 @@ def _fastest_passes(variants: dict[str, list], dt: torch.dtype, repeats: int) ->
     return speeds
 
 
-def _weights() -> list[torch.Tensor]:
+def _weights(shapes=_SHAPES) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    return [torch.randn(n, k) * 0.02 for n, k in _SHAPES]
+    return [torch.randn(n, k) * 0.02 for n, k in shapes]
 
 
 def measure_dtype_speeds(device: str = "cpu", repeats: int = 2, fp32_width: int | None = None) -> dict:
@@ -66,13 +69,34 @@ def measure_dtype_speeds(device: str = "cpu", repeats: int = 2, fp32_width: int 
     return {"speeds": speeds, "bytes_fp32": sum(n * k * 4 for n, k in _SHAPES)}
 
 
-def measure_fp32_kernels(device: str, width: int, repeats: int = 3) -> dict:
-    """float32 on batchgen's gemv kernel (block width `width`) and on oneDNN's, per band, in turns:
-    {"speeds": {band: {"gemv": s, "onednn": s}}}."""
-    ws = _weights()
+def decode_matrices(c: ModelConfig) -> list[tuple[int, int]]:
+    """(N, K) of the matrices a decode step of model `c` multiplies, scaled down to at most
+    MEASURE_CAP_BYTES at float32: as many layers' four matrices as that share of the layers, and the
+    LM head with its rows cut by the same share. The kernels' crossover moves with the shapes (K
+    sets how much of a row of x stays in cache), so it is measured on the model's own."""
+    layer = [((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
+             (c.hidden_size, c.num_heads * c.head_dim),
+             (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]
+    head = (c.vocab_size, c.hidden_size)
+    total = 4 * (c.num_layers * sum(n * k for n, k in layer) + head[0] * head[1])
+    share = min(1.0, MEASURE_CAP_BYTES / total)
+    return layer * max(1, round(c.num_layers * share)) + [(max(1, round(head[0] * share)), head[1])]
+
+
+def measure_fp32_kernels(device: str, width: int, shapes: list[tuple[int, int]] | None = None,
+                         repeats: int = 3) -> dict:
+    """float32 on batchgen's gemv kernel (block width `width`) and on oneDNN's, per band, in turns, over
+    matrices of `shapes` (default: _SHAPES): {"speeds": {band: {"gemv": s, "onednn": s}}}."""
+    ws = _weights(shapes or _SHAPES)
     speeds = _fastest_passes({"gemv": [Linear(w, gemv_width=width) for w in ws], "onednn": [Linear(w) for w in ws]},
                              torch.float32, repeats)
-    return {"speeds": speeds, "bytes_fp32": sum(n * k * 4 for n, k in _SHAPES)}
+    return {"speeds": speeds, "bytes_fp32": sum(w.numel() * 4 for w in ws), "matrices": len(ws)}
+
+
+def fp32_kernel_record(width: int, shapes: list[tuple[int, int]] | None = None) -> str:
+    """The machine record's name for a crossover on `shapes` (one per model shape)."""
+    key = hashlib.sha256(repr(shapes).encode()).hexdigest()[:12] if shapes else "generic"
+    return f"-fp32-kernel-gemv{width}-{key}"
 
 
 # oneDNN's kernel replaces gemv only where it is this much faster: near the crossover (batch 64 on a
@@ -81,12 +105,14 @@ def measure_fp32_kernels(device: str, width: int, repeats: int = 3) -> dict:
 FP32_KERNEL_MARGIN = 1.05
 
 
-def resolve_fp32_kernel(requested: str, device: str, batch: int) -> tuple[str, str]:
+def resolve_fp32_kernel(requested: str, device: str, batch: int,
+                        shapes: list[tuple[int, int]] | None = None) -> tuple[str, str]:
     """(gemv | onednn, why) for float32 weights. gemv streams the weights once for a few rows and wins
     at decode's small batches; oneDNN's blocked GEMM reuses each tile across many rows and wins as
     the batch grows (measured on a 2-core Zen 3, 20 matrices of 1024 x 3072: gemv 1.55x at batch 1,
     1.20x at 8, level at 64, 0.87x at 256). So `auto` takes, for the band nearest max_num_seqs, the
-    faster of the two from a crossover measured once per machine (about 3 s) and cached."""
+    faster of the two from a crossover measured once per machine and model shape (`shapes`, see
+    decode_matrices; seconds) and cached."""
     if requested != "auto":
         return requested, "as requested"
     width, why = fp32_kernel("auto", device)
@@ -94,14 +120,14 @@ def resolve_fp32_kernel(requested: str, device: str, batch: int) -> tuple[str, s
         return "onednn", f"gemv unavailable: {why}"
     from batchgen.metrics.probe import cached_measurement
 
-    m = cached_measurement(f"-fp32-kernel-gemv{width}", device, lambda dev: measure_fp32_kernels(dev, width),
-                           prefix="fp32_kernel")
+    m = cached_measurement(fp32_kernel_record(width, shapes), device,
+                           lambda dev: measure_fp32_kernels(dev, width, shapes), prefix="fp32_kernel")
     band = band_of(batch)
     speeds = m["speeds"][str(band)]
     best = "onednn" if speeds["onednn"] * FP32_KERNEL_MARGIN < speeds["gemv"] else "gemv"
     return best, (f"auto: {best} at batch band {band} (max_num_seqs {batch}) on this CPU: gemv "
                   f"{1000 * speeds['gemv']:.1f} ms, oneDNN {1000 * speeds['onednn']:.1f} ms per "
-                  f"{m['bytes_fp32'] >> 20} MiB pass; oneDNN's where {FP32_KERNEL_MARGIN - 1:.0%} faster "
+                  f"{m['bytes_fp32'] >> 20} MiB pass over {'the model' if shapes else 'generic'} shapes; oneDNN's where {FP32_KERNEL_MARGIN - 1:.0%} faster "
                   f"({m['fp32_kernel_source']})")
 
 
