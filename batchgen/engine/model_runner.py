@@ -34,7 +34,8 @@ class ModelRunner:
         self.num_exact_fallbacks = 0
         # host seconds choosing tokens from logits (argmax, or the sampler and its exact fallback): on CPU
         # their compute, which the bench reports as a share of the decode steps; on CUDA mostly launches
-        # (the kernels run asynchronously until the step's one sync). Logprobs are not included.
+        # (the kernels run asynchronously until the step's one sync). Where a row asks for logprobs,
+        # their log-softmax is included: it now shares the tokens' transfer (the bench asks for none).
         self.sample_s = 0.0
         self.graphs = None  # batchgen.engine.decode_graphs.DecodeGraphs: decode-only steps in static buckets (graphs, compiled)
 
