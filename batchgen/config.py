@@ -29,6 +29,10 @@ FP32_KERNELS = ("auto", "gemv", "onednn")
 # how the native engine draws sampled tokens (batchgen.engine.sampler): the fused C++ kernel (CPU,
 # built on this machine), the torch ops, or fused where it serves
 SAMPLER_KERNELS = ("auto", "fused", "torch")
+# the native engine's weight formats (batchgen.model.loader): the checkpoint's values in the run's dtype;
+# int4 (PyTorch's int4 CPU kernel, bf16 activations); gguf (the model's GGUF blocks, Q4_1 / Q8_0, as they
+# ship, in batchgen's qgemv kernel with float32 activations)
+QUANTIZATIONS = ("none", "int4", "gguf")
 MAX_LOGPROBS = 20  # top alternatives per token, as the OpenAI API allows
 
 
@@ -217,7 +221,7 @@ class EngineConfig:
     prompt_lookup_max: int = 4  # longest n-gram matched, tried first
     compile: str = "auto"  # torch.compile: on, off, auto (where it pays; see batchgen.engine.decode_graphs)
     pack_weights: bool = True  # weights in the kernel's fastest layout (False: the checkpoint's, for A/B)
-    quantization: str = "none"  # int4: the layers' matrices as 4-bit weights (native engine, CPU; bf16 activations)
+    quantization: str = "none"  # weight format (QUANTIZATIONS): int4 (bf16 activations), gguf (the GGUF's blocks)
     # float32's CPU matmul: auto (batchgen's gemv kernel, built on this machine, where it builds; else
     # oneDNN), gemv, or onednn (FP32_KERNELS)
     fp32_kernel: str = "auto"
@@ -249,12 +253,16 @@ class EngineConfig:
                  f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
                  f"{self.prompt_lookup_max}")
         _require(self.compile in ("auto", "on", "off"), f"compile must be auto, on or off, got {self.compile!r}")
-        _require(self.quantization in ("none", "int4"), f"quantization must be none or int4, got {self.quantization!r}")
+        _require(self.quantization in QUANTIZATIONS,
+                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         _require(self.fp32_kernel in FP32_KERNELS,
                  f"fp32_kernel must be one of {FP32_KERNELS}, got {self.fp32_kernel!r}")
         _require(self.sampler in SAMPLER_KERNELS, f"sampler must be one of {SAMPLER_KERNELS}, got {self.sampler!r}")
         _require(self.cuda_graphs in ("auto", "on", "off"), f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
-        _require(self.quantization == "none" or self.dtype in ("auto", "bfloat16"),
+        _require(self.quantization != "gguf" or self.dtype in ("auto", "float32"),
+                 f"quantization gguf multiplies its blocks with float32 activations: use dtype auto or float32, "
+                 f"not {self.dtype!r}")
+        _require(self.quantization != "int4" or self.dtype in ("auto", "bfloat16"),
                  f"quantization int4 runs its activations in bfloat16 (PyTorch's int4 CPU kernel; with float32 "
                  f"activations it takes a reference path measured 15x slower): use dtype auto or bfloat16, "
                  f"not {self.dtype!r}")

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from batchgen.config import EngineConfig, RunConfig, SamplingParams
+from batchgen.config import QUANTIZATIONS, EngineConfig, RunConfig, SamplingParams
 from batchgen.data.response_format import normalise_response_format
 
 
@@ -87,11 +87,12 @@ class GenerateSettings(BaseModel):
     speculative_ngram: int = Field(0, ge=0, le=16, title="Speculative tokens (n-gram)",
                                    description="draft tokens per step copied from the row's own context "
                                                "(prompt lookup), verified in one pass; 0: off")
-    quantization: Literal["none", "int4"] = Field(
+    quantization: Literal[QUANTIZATIONS] = Field(
         "none", title="Weight quantization (native engine)",
         description="int4: the layers' weights as 4-bit codes with a scale and zero per 32 (PyTorch's int4 CPU "
-                    "kernel, bf16 activations): faster at small batches, slower at wide ones; the shipped "
-                    "SmolLM2 weights are exactly such values (GGUF Q4_1)")
+                    "kernel, bf16 activations): faster at small batches, slower at wide ones; gguf: the model's "
+                    "GGUF blocks as they ship (Q4_1 layers and Q8_0 head for SmolLM2), multiplied exactly by "
+                    "batchgen's low-bit kernel with float32 activations (CPU)")
     fp32_kernel: Literal["auto", "gemv", "onednn"] = Field(
         "auto", title="float32 CPU matmul (native engine)",
         description="gemv: batchgen's kernel, built once per machine for its vector instructions (needs a C++ "

@@ -174,7 +174,8 @@ def test_without_a_compiler_auto_samples_with_torch_and_says_why(tmp_path, monke
     assert Sampler(100, "cuda", "auto").name == "torch (not on CPU)"  # no CUDA needed to decide
     # set-up's `batchgen kernels build` says the same, and is not an error
     assert [line.split(" (")[0] for line in kernels.build_all()] == ["gemv: unavailable here",
-                                                                          "sample: unavailable here"]
+                                                                          "sample: unavailable here",
+                                                                          "qgemv: unavailable here"]
 
 
 @needs_fused

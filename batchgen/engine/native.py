@@ -29,6 +29,7 @@ from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.speculative import NgramProposer
 from batchgen.engine.structured import GrammarConstraints
 from batchgen.faults import fail_if_poisoned, fault_requests_active
+from batchgen.model import ggml
 from batchgen.model.linear import INT4_GROUP, can_int4
 from batchgen.model.llama import LlamaModel
 from batchgen.model.loader import DTYPES, load_model, read_model_config
@@ -55,6 +56,8 @@ class NativeEngine(Engine):
                     raise ValueError(f"quantization int4 needs PyTorch's int4 CPU kernel; device {config.device!r} "
                                      f"has none here (on CUDA, serve a quantized checkpoint with the vllm engine)")
                 self.dtype, self.dtype_choice = "bfloat16", "int4 weights: the kernel's activations"
+            elif config.quantization == "gguf":
+                self.dtype, self.dtype_choice = "float32", "gguf blocks: the kernel's activations"
             else:
                 if config.dtype in ("auto", "float32") and config.pack_weights and config.device == "cpu":
                     # float32's kernel for this batch band first: `--dtype auto` compares float32 on it
@@ -193,13 +196,22 @@ class NativeEngine(Engine):
         """Give the KV pool back now (a process that builds another engine should not hold two)."""
         self.runner.kv = None
 
+    def _quantization(self) -> str | None:
+        if self.config.quantization == "int4":
+            return f"int4 weight-only, group {INT4_GROUP}, scale+zero (layers; head {self.dtype})"
+        if self.config.quantization == "gguf":  # which block formats, and the instruction set the kernel runs
+            kinds = sorted({m.kind for l in self.model.layers for m in (l.qkv, l.o, l.gate_up, l.down)
+                            if hasattr(m, "kind")} | ({self.model.lm_head.kind} if hasattr(self.model.lm_head, "kind")
+                                                      else set()))
+            return f"gguf blocks as shipped ({', '.join(kinds)}), batchgen qgemv on {ggml.isa_name()}"
+        return None
+
     def conditions(self) -> dict[str, Any]:
         c, kv = self.config, self.runner.kv
         return {
             "engine": self.name, "engine_version": batchgen.__version__, "torch_version": torch.__version__,
             "dtype": self.dtype, "dtype_choice": self.dtype_choice, "weight_layout": self.model.weight_layout,
-            "quantization": (f"int4 weight-only, group {INT4_GROUP}, scale+zero (layers; head {self.dtype})"
-                             if c.quantization == "int4" else None), "device": c.device, "torch_threads": torch.get_num_threads(),
+            "quantization": self._quantization(), "device": c.device, "torch_threads": torch.get_num_threads(),
             "max_num_seqs": c.max_num_seqs, "max_model_len": self.max_model_len,
             "kv_budget_tokens": self.blocks.num_blocks * self.blocks.block_size, "kv_block_size": self.blocks.block_size,
             "kv_num_blocks": self.blocks.num_blocks, "kv_cache_bytes": kv.nbytes if kv else 0,

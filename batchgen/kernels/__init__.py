@@ -6,7 +6,8 @@ here, not shipped: once per machine, source, torch version and compiler, into BA
 there is no C++ compiler, or the build fails, `load()` says why and the caller keeps its torch path.
 
 - gemv.cpp: the float32 decode matmul (batchgen.model.gemv);
-- sample.cpp: the fused sampler (batchgen.engine.sampler).
+- sample.cpp: the fused sampler (batchgen.engine.sampler);
+- qgemv.cpp: the low-bit matmul on a GGUF's Q4_1 / Q8_0 blocks (batchgen.model.ggml).
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ import torch
 
 from batchgen.config import batchgen_home
 
-NAMES = ("gemv", "sample")
+NAMES = ("gemv", "sample", "qgemv")
+# kernels that hold a build per instruction set and choose one at run time: compiled for the baseline
+# architecture, with each instruction set's code under its own target pragma (-march=native would let
+# every function use the build machine's widest instructions, and a narrower region could not call
+# its own intrinsics)
+RUNTIME_DISPATCH = ("qgemv",)
 _loaded: dict[str, str | None] = {}  # this process: kernel name -> None once loaded, or why it could not be
 
 
@@ -52,7 +58,7 @@ def _command(name: str, compiler: str, out: Path) -> list[str]:
 
     arch = "-mcpu=native" if platform.machine() in ("aarch64", "arm64") else "-march=native"
     lib = Path(torch.__file__).parent / "lib"
-    return [compiler, "-O3", arch, "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w",
+    return [compiler, "-O3", *([] if name in RUNTIME_DISPATCH else [arch]), "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             *(f"-I{p}" for p in include_paths()), str(source(name)), f"-L{lib}", "-lc10", "-ltorch_cpu",
             "-o", str(out)]

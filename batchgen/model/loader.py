@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
-from batchgen.config import ConfigError, ModelConfig
+from batchgen.config import QUANTIZATIONS, ConfigError, ModelConfig
+from batchgen.model import ggml
+from batchgen.model.ggml import BLOCK_BYTES, BlockLinear, GGUFBlocks, GGUFError
 from batchgen.model.linear import Int4Linear, Linear
 from batchgen.model.linear import fp32_kernel as fp32_kernel_for
 from batchgen.model.llama import Layer, LlamaModel
@@ -83,14 +85,17 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     """Load a local Llama-family checkpoint, fusing q/k/v and gate/up for fewer, larger matmuls, each
     in the layout fastest for the device's kernel (`pack_weights=False` keeps the checkpoint's).
     `quantization="int4"`: the layers' matrices as 4-bit weights (batchgen.model.linear.Int4Linear),
-    quantized from the checkpoint's own values; the head and norms stay in `dtype`. `fp32_kernel`:
-    float32's CPU matmul kernel (batchgen.config.FP32_KERNELS)."""
+    quantized from the checkpoint's own values; the head and norms stay in `dtype`.
+    `quantization="gguf"`: every matrix the model's GGUF holds in Q4_1 or Q8_0 blocks is multiplied in
+    those blocks (batchgen.model.ggml, float32 activations); the norms and the embedding's lookups
+    come from the safetensors. `fp32_kernel`: float32's CPU matmul kernel (batchgen.config.FP32_KERNELS)."""
     config = read_model_config(model_dir)
     state = load_state_dict(model_dir)
     dt = DTYPES[dtype]
     int4 = quantization == "int4"
-    if quantization not in ("none", "int4"):
-        raise ModelLoadError(f"unknown quantization {quantization!r}: none or int4")
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"unknown quantization {quantization!r}: one of {', '.join(QUANTIZATIONS)}")
+    blocks = _gguf_blocks(model_dir, config, device, dt) if quantization == "gguf" else None
 
     def take(name: str, required: bool = True, as_dtype: torch.dtype | None = None):
         t = state.pop(name, None)
@@ -110,41 +115,69 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     def linear(w, bias=None) -> Linear:
         return Linear(w, bias, pack=pack_weights, gemv_width=width)
 
-    def layer_linear(w, bias=None) -> Linear | Int4Linear:
+    def gguf_matrix(name: str) -> BlockLinear:  # the GGUF's blocks, where they stand for this checkpoint's matrix
+        lin, dense = blocks.linear(name), state.pop(name, None)
+        if dense is not None and tuple(dense.shape) != (lin.out_features, lin.in_features):
+            raise ModelLoadError(f"{blocks.path.name} holds {name} as [{lin.out_features}, {lin.in_features}], the "
+                                 f"checkpoint as {list(dense.shape)}: the GGUF is not this model's")
+        return lin
+
+    def fused(names: list[str], bias=None):
+        """The matrices `names` stacked by rows (fused q/k/v, gate/up) as one matmul."""
+        if blocks is not None and all(blocks.has(n) and blocks.kind(n) in BLOCK_BYTES for n in names):
+            return BlockLinear.cat([gguf_matrix(n) for n in names], bias)
+        w = torch.cat([matrix(n) for n in names])
         return Int4Linear(w, bias) if int4 else linear(w, bias)
 
     embed = take("model.embed_tokens.weight")
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        q, k, v = (matrix(p + f"self_attn.{n}_proj.weight") for n in "qkv")
         bias = None
         if config.attention_bias:
             bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-        gate, up = matrix(p + "mlp.gate_proj.weight"), matrix(p + "mlp.up_proj.weight")
         sandwich = config.sandwich_norms  # Gemma 2: post_attention_layernorm norms the attention's output
         layers.append(Layer(
             input_norm=norm(p + "input_layernorm.weight"),
-            qkv=layer_linear(torch.cat([q, k, v]), bias),
+            qkv=fused([p + f"self_attn.{n}_proj.weight" for n in "qkv"], bias),
             q_norm=take(p + "self_attn.q_norm.weight") if config.qk_norm else None,
             k_norm=take(p + "self_attn.k_norm.weight") if config.qk_norm else None,
-            o=layer_linear(matrix(p + "self_attn.o_proj.weight")),
+            o=fused([p + "self_attn.o_proj.weight"]),
             post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
-            gate_up=layer_linear(torch.cat([gate, up])),
-            down=layer_linear(matrix(p + "mlp.down_proj.weight")),
+            gate_up=fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            down=fused([p + "mlp.down_proj.weight"]),
             attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
             mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
             window=config.sliding_window if i in config.sliding_layers else None,
         ))
     final_norm = norm("model.norm.weight")
-    lm_head = take("lm_head.weight", required=not config.tie_word_embeddings)
-    if lm_head is None:
-        lm_head = embed  # tied: a packed layout is a copy, the plain one shares the embedding's memory
-    model = LlamaModel(config, embed, layers, final_norm, linear(lm_head),
+    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    if blocks is not None and blocks.has(head_name) and blocks.kind(head_name) in BLOCK_BYTES:
+        head = gguf_matrix(head_name)
+        state.pop("lm_head.weight", None)
+    else:
+        lm_head = take("lm_head.weight", required=not config.tie_word_embeddings)
+        if lm_head is None:
+            lm_head = embed  # tied: a packed layout is a copy, the plain one shares the embedding's memory
+        head = linear(lm_head)
+    model = LlamaModel(config, embed, layers, final_norm, head,
                        max_positions=max_positions or config.max_position_embeddings)
     if why and width is None and fp32_kernel == "auto" and torch.device(device).type == "cpu":
         model.layout_note = f"gemv unavailable: {why}"  # the conditions say why oneDNN serves instead
     return model
+
+
+def _gguf_blocks(model_dir: str | Path, config: ModelConfig, device: str, dt: torch.dtype) -> GGUFBlocks:
+    """The model's GGUF blocks, after checking that batchgen's low-bit kernel can run them here."""
+    if torch.device(device).type != "cpu" or dt != torch.float32:
+        raise ModelLoadError(f"quantization gguf runs on CPU with float32 activations, not {device} / {dt}")
+    why = ggml.load()
+    if isinstance(why, str):
+        raise ModelLoadError(f"quantization gguf needs batchgen's qgemv kernel, which cannot be built here: {why}")
+    try:
+        return GGUFBlocks(ggml.find_gguf(model_dir), config.num_heads, config.num_kv_heads)
+    except GGUFError as e:
+        raise ModelLoadError(str(e)) from None
 
 
 def count_decode_weight_elements(model_dir: str | Path) -> int:

@@ -37,10 +37,25 @@ def gguf_path() -> Path:
     return path
 
 
+def link_gguf(dest: Path) -> None:
+    """The shipped GGUF beside the prepared files (a symbolic link), so `--quantization gguf` reads its
+    blocks as they ship; refreshed where the package moved."""
+    link = dest / GGUF_FILE
+    src = gguf_path()
+    if link.is_symlink() and link.resolve() == src.resolve():
+        return
+    tmp = dest / f".{GGUF_FILE}.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(src)
+    os.replace(tmp, link)  # atomic: a concurrent reader sees the old link or the new one
+
+
 def prepare_default(dest: Path | None = None, force: bool = False) -> Path:
-    """Dequantize the GGUF into fp32 safetensors + tokenizer + chat template, published atomically."""
+    """Dequantize the GGUF into fp32 safetensors + tokenizer + chat template, published atomically,
+    with the GGUF itself linked beside them."""
     dest = dest or cache_root() / ALIASES[DEFAULT_MODEL]
     if (dest / "config.json").is_file() and not force:
+        link_gguf(dest)
         return dest
     src = gguf_path()
     try:
@@ -65,6 +80,7 @@ def prepare_default(dest: Path | None = None, force: bool = False) -> Path:
         os.rename(tmp, dest)
     except OSError:  # another process published it first
         shutil.rmtree(tmp, ignore_errors=True)
+    link_gguf(dest)
     return dest
 
 

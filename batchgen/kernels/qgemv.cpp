@@ -1,0 +1,389 @@
+// y = x W^T on CPU with W in GGUF's own low-bit blocks, dequantized in registers: batchgen's exact
+// low-bit kernel.
+//
+// The default model ships as a GGUF whose matrices are Q4_1 (layers) and Q8_0 values, so multiplying
+// by those blocks computes the very model the GGUF holds, reading 0.625 (Q4_1) or 1.0625 (Q8_0) bytes
+// a weight instead of 4 (float32) or 2 (bfloat16). Activations stay float32: no activation is
+// quantized (llama.cpp quantizes them to 8 bits for its dot products), so the only rounding is
+// float32's.
+//
+//   Q4_1, a block of 32 weights along K: w = d q + m, q in 0..15 (4 bits), d and m fp16
+//   Q8_0, a block of 32 weights along K: w = d q, q in -128..127, d fp16
+//
+// Held as qs [N/G, K/32, G, 16 or 32] bytes, d (and m) [N/G, K/32, G] fp16: the GGUF's bytes,
+// regrouped so that the blocks of G = 8 side-by-side columns lie together (a decode step streams them
+// in order, and a block's 8 scales convert in one instruction), 0.625 or 1.0625 bytes a weight still.
+//
+// Each block's weights are made in registers, exactly as float32 (d q + m, or d q: both exact), and
+// multiplied into up to QR rows of x, so at decode's few rows the weights are streamed once from
+// memory, and at prefill's many rows a block's unpacking is shared by QR rows. The product is the
+// float32 model's (the dequantized weights' product), summed in this kernel's order; every row's sum
+// runs in the same order whatever the number of rows, the rows beside it or the threads: a row's
+// result does not depend on its batch.
+//
+// The vector code is written once (the #else branch below) and compiled twice into this library,
+// for AVX-512 and for AVX2 (+FMA, F16C), and the one to run is chosen at run time from the CPU's
+// flags (or forced, for tests, by `isa`). Elsewhere (Arm, old x86) a portable build of the same code
+// serves.
+#ifndef BATCHGEN_QGEMV_BODY
+#define BATCHGEN_QGEMV_BODY
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define BATCHGEN_X86 1
+#endif
+
+constexpr int64_t QK = 32;        // weights per block
+constexpr int64_t MC = 64;        // rows of x per task: they stay in cache while a task runs its columns
+constexpr int64_t G = 8;          // columns a group: their blocks interleaved, side by side; a task's columns
+
+// a kernel: rows [0, M) of x [M, K] (row stride ldx) times the first `ncols` columns of one group
+// (qs [K/32, G, block bytes], d and m [K/32, G]); y [M, ncols] (row stride ldy)
+using Kernel = void (*)(const float* x, int64_t ldx, int64_t M, int64_t KB, const uint8_t* qs, const uint16_t* d,
+                        const uint16_t* m, int64_t ncols, float* y, int64_t ldy);
+
+#ifdef BATCHGEN_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+namespace isa_avx512 {
+#define QVL 16
+#define QR 8
+#define QC 8
+#include __FILE__
+#undef QC
+#undef QR
+#undef QVL
+}  // namespace isa_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("no-avx512f,avx2,fma,f16c")
+namespace isa_avx2 {
+#define QVL 8
+#define QR 4
+#define QC 4
+#include __FILE__
+#undef QC
+#undef QR
+#undef QVL
+}  // namespace isa_avx2
+#pragma GCC pop_options
+#endif
+
+namespace isa_portable {
+#define QVL 8
+#define QR 4
+#define QC 4
+#define QPORTABLE 1
+#include __FILE__
+#undef QPORTABLE
+#undef QC
+#undef QR
+#undef QVL
+}  // namespace isa_portable
+
+// isa: 0 = the best this CPU runs, 512 = AVX-512, 2 = AVX2, 1 = the portable build
+static int best_isa() {
+#ifdef BATCHGEN_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return 512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 2;  // F16C comes with AVX2 CPUs
+#endif
+  return 1;
+}
+
+static int resolve_isa(int64_t isa) {
+  const int best = best_isa();
+  if (isa == 0) return best;
+  TORCH_CHECK(isa == 1 || isa == 2 || isa == 512, "batchgen qgemv: isa must be 0, 1, 2 or 512, got ", isa);
+  TORCH_CHECK(isa == 1 || (isa == 2 && best >= 2) || (isa == 512 && best == 512),
+              "batchgen qgemv: this CPU does not run isa ", isa, " (best: ", best, ")");
+  return static_cast<int>(isa);
+}
+
+static Kernel pick(int isa, bool q4) {
+#ifdef BATCHGEN_X86
+  if (isa == 512) return q4 ? isa_avx512::q4_1_cols : isa_avx512::q8_0_cols;
+  if (isa == 2) return q4 ? isa_avx2::q4_1_cols : isa_avx2::q8_0_cols;
+#endif
+  return q4 ? isa_portable::q4_1_cols : isa_portable::q8_0_cols;
+}
+
+static at::Tensor run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m,
+                      int64_t n, int64_t isa) {
+  const bool q4 = m.has_value();
+  const int64_t BB = q4 ? QK / 2 : QK;
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "batchgen qgemv: x must be float32");
+  TORCH_CHECK(qs.scalar_type() == (q4 ? at::kByte : at::kChar) && qs.dim() == 4 && qs.size(2) == G &&
+              qs.size(3) == BB && qs.is_contiguous(),
+              "batchgen qgemv: qs must be [N/", G, ", K/32, ", G, ", ", BB, "] ", q4 ? "uint8" : "int8");
+  const int64_t NG = qs.size(0), KB = qs.size(1), K = x.size(-1);
+  TORCH_CHECK(K == KB * QK && KB > 0, "batchgen qgemv: x's last size ", K, " is not the weight's K ", KB * QK);
+  TORCH_CHECK(n > (NG - 1) * G && n <= NG * G, "batchgen qgemv: n = ", n, " does not fit ", NG, " groups of ", G);
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.sizes() == at::IntArrayRef({NG, KB, G}) && d.is_contiguous(),
+              "batchgen qgemv: d must be [N/", G, ", K/32, ", G, "] float16");
+  if (q4)
+    TORCH_CHECK(m->scalar_type() == at::kHalf && m->sizes() == at::IntArrayRef({NG, KB, G}) && m->is_contiguous(),
+                "batchgen qgemv: m must be [N/", G, ", K/32, ", G, "] float16");
+  const Kernel kernel = pick(resolve_isa(isa), q4);
+  const auto x2 = x.contiguous();
+  const int64_t M = x2.numel() / K;
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  auto y = at::empty(sizes, x.options());
+  if (M == 0) return y;
+  const float* xp = x2.data_ptr<float>();
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qs.data_ptr());
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = q4 ? reinterpret_cast<const uint16_t*>(m->data_ptr<at::Half>()) : nullptr;
+  float* yp = y.data_ptr<float>();
+  // tasks are (chunk of MC rows, group of G columns), groups fastest: at decode's few rows the threads
+  // split the groups, each streaming its own contiguous part of the weights
+  const int64_t MB = (M + MC - 1) / MC;
+  at::parallel_for(0, MB * NG, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t mb = t / NG, g = t % NG;
+      const int64_t r0 = mb * MC, rows = std::min(MC, M - r0);
+      kernel(xp + r0 * K, K, rows, KB, qp + g * KB * G * BB, dp + g * KB * G, mp ? mp + g * KB * G : nullptr,
+             std::min(G, n - g * G), yp + r0 * n + g * G, n);
+    }
+  });
+  return y;
+}
+
+at::Tensor q4_1(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, int64_t n,
+                int64_t isa) {
+  return run(x, qs, d, m, n, isa);
+}
+
+at::Tensor q8_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, int64_t n, int64_t isa) {
+  return run(x, qs, d, c10::nullopt, n, isa);
+}
+
+int64_t isa() { return best_isa(); }
+int64_t group() { return G; }
+
+TORCH_LIBRARY(batchgen_qgemv, lib) {
+  lib.def("q4_1(Tensor x, Tensor qs, Tensor d, Tensor m, int n, int isa=0) -> Tensor");
+  lib.def("q8_0(Tensor x, Tensor qs, Tensor d, int n, int isa=0) -> Tensor");
+  // no tensor to dispatch on: one kernel for every backend
+  lib.def("isa() -> int", &isa);
+  lib.def("group() -> int", &group);
+}
+TORCH_LIBRARY_IMPL(batchgen_qgemv, CPU, lib) {
+  lib.impl("q4_1", &q4_1);
+  lib.impl("q8_0", &q8_0);
+}
+
+#else  // ---- the vector code, compiled once per instruction set (QVL floats a vector, QR rows a pass) ----
+
+typedef float fvec __attribute__((vector_size(QVL * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(QVL * sizeof(int32_t))));
+
+static inline fvec loadf(const float* p) { fvec v; std::memcpy(&v, p, sizeof v); return v; }
+
+static inline fvec fma(fvec a, fvec b, fvec c) {  // a b + c, one rounding on every build
+#if defined(QPORTABLE)
+  fvec r;
+  _Pragma("GCC unroll 16") for (int i = 0; i < QVL; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return r;
+#elif QVL == 16
+  return (fvec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  return (fvec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#endif
+}
+
+// QVL bytes widened to QVL int32 lanes (zero- or sign-extended): one vpmovzxbd / vpmovsxbd (GCC's
+// generic conversion of a byte vector measured as a lane-by-lane insert, 5x slower in all)
+static inline ivec wide(const uint8_t* p) {
+#if defined(QPORTABLE)
+  ivec v;
+  _Pragma("GCC unroll 16") for (int i = 0; i < QVL; ++i) v[i] = p[i];
+  return v;
+#elif QVL == 16
+  return (ivec)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  return (ivec)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#endif
+}
+
+static inline fvec sints(const int8_t* p) {
+#if defined(QPORTABLE)
+  ivec v;
+  _Pragma("GCC unroll 16") for (int i = 0; i < QVL; ++i) v[i] = p[i];
+#elif QVL == 16
+  const ivec v = (ivec)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  const ivec v = (ivec)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#endif
+  return __builtin_convertvector(v, fvec);
+}
+
+static inline fvec broadcast(float f) {
+#if defined(QPORTABLE)
+  return fvec{} + f;
+#elif QVL == 16
+  return (fvec)_mm512_set1_ps(f);
+#else
+  return (fvec)_mm256_set1_ps(f);
+#endif
+}
+
+static inline float hsum(fvec v) {  // a fixed tree: halves added until one lane is left
+  float a[QVL];
+  std::memcpy(a, &v, sizeof a);
+  _Pragma("GCC unroll 16") for (int w = QVL / 2; w > 0; w /= 2)
+    _Pragma("GCC unroll 16") for (int i = 0; i < w; ++i) a[i] += a[i + w];
+  return a[0];
+}
+
+static inline float half(uint16_t h) {  // fp16 -> fp32
+#if defined(QPORTABLE)
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#else
+  return _cvtsh_ss(h);
+#endif
+}
+
+// N halves (N = 1, 4 or 8, side by side) -> floats
+template <int N>
+static inline void halves(const uint16_t* h, float* f) {
+#if !defined(QPORTABLE)
+  if constexpr (N == 8) {
+    _mm256_storeu_ps(f, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))));
+    return;
+  } else if constexpr (N == 4) {
+    _mm_storeu_ps(f, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h))));
+    return;
+  }
+#endif
+  _Pragma("GCC unroll 8") for (int i = 0; i < N; ++i) f[i] = half(h[i]);
+}
+
+// a block's 16 possible Q4_1 weights d q + m (q = 0..15) as a vector, and the weights of QVL nibbles
+// (the low 4 bits of each lane). d q is exact in float32 (11 x 4 bits), so one fused d q + m is the
+// reference's rounding of d q + m: these are the model's weights exactly, as float32.
+// AVX-512: the 16 weights are one vector, and each lane's weight one permute from it (which reads
+// only the lane's low 4 bits: no mask, no conversion). Elsewhere: convert the nibbles, then d q + m.
+struct Q4Weights {
+#if !defined(QPORTABLE) && QVL == 16
+  __m512 table;
+  Q4Weights(fvec d, fvec m) {
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    table = _mm512_fmadd_ps(q, (__m512)d, (__m512)m);
+  }
+  fvec of(ivec q) const { return (fvec)_mm512_permutexvar_ps((__m512i)q, table); }
+#else
+  fvec d, m;
+  Q4Weights(fvec d_, fvec m_) : d(d_), m(m_) {}
+  fvec of(ivec q) const { return fma(__builtin_convertvector(q & 15, fvec), d, m); }
+#endif
+};
+
+// a block's scales (or offsets) for N side-by-side columns, each broadcast to a vector on demand
+template <int N>
+struct Scales {
+#if !defined(QPORTABLE) && QVL == 16
+  __m512 v;  // the N values in the low lanes
+  explicit Scales(const uint16_t* h) {
+    if constexpr (N == 8) v = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))));
+    else if constexpr (N == 4) v = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h))));
+    else v = _mm512_set1_ps(half(h[0]));
+  }
+  fvec splat(int c) const {  // one permute, not a shuffle and a broadcast
+    return N == 1 ? (fvec)v : (fvec)_mm512_permutexvar_ps(_mm512_set1_epi32(c), v);
+  }
+#else
+  float f[N];
+  explicit Scales(const uint16_t* h) { halves<N>(h, f); }
+  fvec splat(int c) const { return broadcast(f[c]); }
+#endif
+};
+
+// A tile: ROWS rows of x times COLS columns of a group. Each block's weights are made exact in float32
+// registers (Q4_1: d q + m; Q8_0: d q, exact as well: 11 x 8 bits) and multiplied into every row of
+// the tile: acc += w x, a block's vector chunks in turn, y = hsum(acc). Each (row, column) pair is
+// summed by the same operations in the same order whatever the tile's shape, so a row's result never
+// depends on the rows beside it. Decode's lone rows run COLS columns a pass (independent accumulators
+// hide the FMA latency, one load of x serves them all, and the group's interleaved blocks stream from
+// memory in order); prefill's many rows run QR rows a column (one unpacking serves them all).
+template <bool Q4, int ROWS, int COLS>
+static inline void tile(const float* __restrict__ x, int64_t ldx, int64_t KB, const uint8_t* __restrict__ qs,
+                        const uint16_t* __restrict__ d, const uint16_t* __restrict__ m, float* __restrict__ out,
+                        int64_t ldo) {
+  constexpr int64_t BB = Q4 ? QK / 2 : QK;  // bytes of quants a block
+  fvec acc[ROWS][COLS];
+  _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
+    _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) acc[r][c] = fvec{};
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t* qb = qs + b * G * BB;  // this block of the tile's first column; the next column's follows
+    const float* xb = x + b * QK;
+    const Scales<COLS> ds(d + b * G);
+    if constexpr (Q4) {
+      const Scales<COLS> ms(m + b * G);
+      _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) {
+        const Q4Weights w(ds.splat(c), ms.splat(c));
+        _Pragma("GCC unroll 4") for (int j = 0; j < QK / 2; j += QVL) {  // byte j: weight j (low), j + 16 (high)
+          const ivec qi = wide(qb + c * BB + j);
+          const fvec lo = w.of(qi), hi = w.of(qi >> 4);
+          _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r) {
+            acc[r][c] = fma(lo, loadf(xb + r * ldx + j), acc[r][c]);
+            acc[r][c] = fma(hi, loadf(xb + r * ldx + QK / 2 + j), acc[r][c]);
+          }
+        }
+      }
+    } else {
+      _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) {
+        const fvec db = ds.splat(c);
+        _Pragma("GCC unroll 4") for (int j = 0; j < QK; j += QVL) {
+          const fvec w = sints(reinterpret_cast<const int8_t*>(qb + c * BB + j)) * db;
+          _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r) acc[r][c] = fma(w, loadf(xb + r * ldx + j), acc[r][c]);
+        }
+      }
+    }
+  }
+  _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
+    _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) out[r * ldo + c] = hsum(acc[r][c]);
+}
+
+// the group's first ncols columns for rows [0, M): QR rows a column while QR rows are left, then a row
+// QC columns at a time
+template <bool Q4>
+static void cols(const float* x, int64_t ldx, int64_t M, int64_t KB, const uint8_t* qs, const uint16_t* d,
+                 const uint16_t* m, int64_t ncols, float* y, int64_t ldy) {
+  constexpr int64_t BB = Q4 ? QK / 2 : QK;
+  int64_t r = 0;
+  for (; r + QR <= M; r += QR)
+    for (int64_t c = 0; c < ncols; ++c)
+      tile<Q4, QR, 1>(x + r * ldx, ldx, KB, qs + c * BB, d + c, m + c, y + r * ldy + c, ldy);
+  for (; r < M; ++r) {
+    int64_t c = 0;
+    for (; c + QC <= ncols; c += QC)
+      tile<Q4, 1, QC>(x + r * ldx, ldx, KB, qs + c * BB, d + c, m + c, y + r * ldy + c, 1);
+    for (; c < ncols; ++c)
+      tile<Q4, 1, 1>(x + r * ldx, ldx, KB, qs + c * BB, d + c, m + c, y + r * ldy + c, 1);
+  }
+}
+
+void q4_1_cols(const float* x, int64_t ldx, int64_t M, int64_t KB, const uint8_t* qs, const uint16_t* d,
+               const uint16_t* m, int64_t ncols, float* y, int64_t ldy) {
+  cols<true>(x, ldx, M, KB, qs, d, m, ncols, y, ldy);
+}
+
+void q8_0_cols(const float* x, int64_t ldx, int64_t M, int64_t KB, const uint8_t* qs, const uint16_t* d,
+               const uint16_t* m, int64_t ncols, float* y, int64_t ldy) {
+  cols<false>(x, ldx, M, KB, qs, d, m, ncols, y, ldy);
+}
+
+#endif
