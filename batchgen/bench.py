@@ -45,6 +45,9 @@ MIN_PROMPTS = 4  # batch 1 runs four prompts one after another
 MAX_PROMPT_TOKENS = 256  # longer held prompts are left out: one 1350-token prompt would make HF pad its
 # whole batch to 1350 (its real cost, but it would measure padding, and take an hour at batch 256)
 MODES = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p=0.95)}
+# the native engine's variants (`--native-variants`): fp32 eager; compiled; compiled on oneDNN's fp32
+# kernel; --dtype auto; int4 weights; the GGUF's own blocks
+NATIVE_VARIANTS = ("eager", "compiled", "onednn", "auto", "int4", "gguf")
 COPY_TEMPLATE = "Repeat the following text exactly, word for word, and nothing else:\n\n{text}"
 
 
@@ -76,6 +79,8 @@ class Measurement:
     sample_share: float | None = None  # seconds choosing tokens (argmax / sampler) over decode-step seconds
     decode_mbu_p50: float | None = None  # decode MBU at the median decode step (median over the repeats)
     step_itl_p50_s: float | None = None  # the median over the repeats of each run's ITL p50 (see targets)
+    decode_tok_per_s: float | None = None  # tokens of the decode-only steps over their seconds
+    prefill_tok_per_s: float | None = None  # prompt tokens over the seconds of the steps that computed them
     outputs: list = field(default_factory=list, repr=False)  # token ids per prompt (not written)
 
     @property
@@ -111,8 +116,8 @@ def _percentiles(gaps: list[float]) -> dict[str, float | None]:
 def run_engine(engine, prompt_ids: list[list[int]], batch: int, params: SamplingParams, peak_bw: float | None,
                tag: str) -> dict:
     """Feed `batch` prompts at a time, step to the end; tokens, seconds, ITL gaps, MBU, drafts."""
-    tokens = bytes_read = drafts = accepted = dec_bytes = 0
-    dec_s = 0.0
+    tokens = bytes_read = drafts = accepted = dec_bytes = dec_tokens = pre_tokens = 0
+    dec_s = pre_s = 0.0
     dec_steps: list[float] = []
     picks = hasattr(engine, "sample_seconds")  # the native engine's time choosing tokens; peers report none
     pick_s = 0.0
@@ -132,8 +137,12 @@ def run_engine(engine, prompt_ids: list[list[int]], batch: int, params: Sampling
             if not r.num_prefill_tokens and r.token_request_ids:
                 dec_bytes += r.bytes_read or 0
                 dec_s += r.end_t - r.start_t
+                dec_tokens += len(r.token_request_ids)
                 dec_steps.append(r.end_t - r.start_t)
                 pick_s += engine.sample_seconds - before if picks else 0.0
+            elif r.num_prefill_tokens:
+                pre_tokens += r.num_prefill_tokens
+                pre_s += r.end_t - r.start_t
             drafts += r.num_draft_tokens
             accepted += r.num_accepted_tokens
             for rid in r.token_request_ids:
@@ -152,6 +161,8 @@ def run_engine(engine, prompt_ids: list[list[int]], batch: int, params: Sampling
                                if peak_bw and dec_steps else None),
             "acceptance_rate": accepted / drafts if drafts else None,
             "sample_share": pick_s / dec_s if picks and dec_s else None,
+            "decode_tok_per_s": dec_tokens / dec_s if dec_s else None,
+            "prefill_tok_per_s": pre_tokens / pre_s if pre_s else None,
             "outputs": [outputs[i] for i in sorted(outputs)]}
 
 
@@ -230,8 +241,8 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> float | None:
 
 def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str], new_tokens: int = 64,
               speculative_k: int = 4, spec_batch: int = 8, log=print,
-              repeats: int = 1) -> tuple[list[Measurement], dict]:
-    from batchgen.metrics.conditions import cpu_model, package_versions
+              repeats: int = 1, native_variants: tuple[str, ...] = NATIVE_VARIANTS) -> tuple[list[Measurement], dict]:
+    from batchgen.metrics.conditions import cpu_features, cpu_model, package_versions
     from batchgen.metrics.probe import cached_probe, probe_device
     from batchgen.model.tokenizer import Tokenizer
 
@@ -265,14 +276,18 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
         return m
 
     # the grid: engines x batch x mode
+    from batchgen.model import ggml
     from batchgen.model.linear import can_int4, fp32_kernel
+
+    gguf = sorted(Path(model_dir).glob("*.gguf"))
+    has_gguf = bool(gguf) and not isinstance(ggml.load(), str)
 
     variants = []  # (name, dtype, quantization, compile, fp32 kernel)
     # fp32 on batchgen's gemv where it builds, with oneDNN's as its peer: not `auto`, which takes one
     # of them for the band of max(batches) and so would put every batch on the same one
     has_gemv = fp32_kernel("auto", "cpu")[0] is not None
     fp32 = "gemv" if has_gemv else "auto"
-    for name in engines:
+    for name in [e for e in engines if e not in PEERS]:
         variants.append((name, "float32", "none", "off", fp32 if name == "native" else "auto"))
         if name == "native":  # eager above; below, the decode step compiled per bucket (warmed up first)
             variants.append(("native:compiled", "float32", "none", "on", fp32))
@@ -281,6 +296,10 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
             variants.append(("native:auto", "auto", "none", "on", "auto"))
             if can_int4("cpu"):  # the 4-bit weight path, measured where it loses too
                 variants.append(("native:int4", "bfloat16", "int4", "on", "auto"))
+            if has_gguf:  # the GGUF's own Q4_1 / Q8_0 blocks (batchgen's qgemv kernel), float32 activations
+                variants.append(("native:gguf", "float32", "gguf", "on", "auto"))
+    variants = [v for v in variants if v[0].split(":")[0] != "native" or
+                (v[0].split(":") + ["eager"])[1] in native_variants]
 
     def measure_cells(group: list[tuple[str, str, Callable, Callable | None]]) -> None:
         """Each batch's cells measured `repeats` times, the median kept. The variants of one engine
@@ -297,9 +316,13 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                 order = group[rep % len(group):] + group[:rep % len(group)]
                 for i, (name, _, measure, _) in enumerate(order):  # a variant's modes back to back
                     for mode in (modes if (rep + i) % 2 == 0 else modes[::-1]):
-                        runs[(name, mode)].append(measure(b, mode))
+                        got = measure(b, mode)
+                        if got is not None:  # None: this engine does not run this mode
+                            runs[(name, mode)].append(got)
             for name, dtype, _, _ in group:
                 for mode in modes:
+                    if not runs[(name, mode)]:
+                        continue
                     ms = sorted(runs[(name, mode)], key=lambda m: m["tokens"] / m["seconds"])
                     rates = [m["tokens"] / m["seconds"] for m in ms]
                     med = ms[len(ms) // 2]
@@ -323,7 +346,9 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
 
         return measure, (warm_up if compiled else None)
 
-    for engine_name in engines:
+    peers = _peer_cells([e for e in engines if e in PEERS], gguf, model_dir, batches, max_len, kv_tokens, new_tokens,
+                        grid_prompts, peak_bw, log)
+    for engine_name in [e for e in engines if e not in PEERS]:
         group_variants = [v for v in variants if v[0].split(":")[0] == engine_name]
         log(f"{', '.join(f'{n} ({d})' for n, d, *_ in group_variants)} ...")
         if engine_name == "hf":
@@ -336,12 +361,18 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
         built = [(name, make_engine(engine_name, model_dir, dtype, max(batches), max_len, kv_tokens,
                                     quantization=quantization, compile_=compile_, fp32_kernel=kernel), compile_ == "on")
                  for name, dtype, quantization, compile_, kernel in group_variants]
-        measure_cells([(name, e.conditions().get("dtype", "float32"), *engine_cell(e, compiled))
-                       for name, e, compiled in built])
+        # the outside peers take turns with the native variants inside each cell (see measure_cells)
+        cells = [(name, e.conditions().get("dtype", "float32"), *engine_cell(e, compiled)) for name, e, compiled in built]
+        measure_cells(cells + ([c for c, _ in peers] if engine_name == "native" else []))
         for _, e, _ in built:
             e.close()
         del built
         gc.collect()
+
+    if peers and "native" not in engines:
+        measure_cells([c for c, _ in peers])
+    for _, close in peers:
+        close()
 
     # speculation: a workload that copies from its prompt, and an open-ended one
     if speculative_k:
@@ -363,6 +394,7 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                 gc.collect()
     _compare(results)
     conditions = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": str(model_dir), "cpu": cpu_model(),
+                  "cpu_features": cpu_features(),
                   "machine": platform.machine(), "cores": os.cpu_count(), "new_tokens": new_tokens, "repeats": repeats,
                   "peak_read_bytes_per_s": peak_bw, "probe": "measured at the start of this run",
                   "cached_probe_read_bytes_per_s": probe.get("peak_read_bytes_per_s"),
@@ -375,6 +407,60 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
         shapes = decode_matrices(read_model_config(model_dir))
         conditions["fp32_kernel_auto"] = {str(b): resolve_fp32_kernel("auto", device, b, shapes)[0] for b in batches}
     return results, conditions
+
+
+PEERS = ("llama.cpp", "vllm-generate")  # outside peers, run as their own users run them (batchgen.benchmarks.peers)
+
+
+def _peer_cells(names: list[str], gguf: list[Path], model_dir, batches: list[int], max_len: int, kv_tokens: int,
+                new_tokens: int, grid_prompts: Callable, peak_bw: float | None, log) -> list[tuple[tuple, Callable]]:
+    """((name, dtype, measure, warm_up), close) for each outside peer that can run here; a line for
+    each that cannot. llama.cpp decodes greedily only (its sampled cells stay empty)."""
+    from batchgen.benchmarks import peers
+    from batchgen.model.loader import read_hf_shape
+
+    cells = []
+    for name in names:
+        if name == "llama.cpp":
+            why = peers.llama_cpp_available() or (None if gguf else f"no GGUF in {model_dir}")
+            if why:
+                log(f"llama.cpp left out: {why}")
+                continue
+            runner = peers.LlamaCppRunner(gguf[0], max(batches), max_len, _threads())
+
+            def measure(b: int, mode: str, runner=runner) -> dict | None:
+                if mode != "greedy":
+                    return None  # llama.cpp's sampler chain is not run here
+                m = runner.run(grid_prompts(b), b, new_tokens)
+                steps = sorted(m["decode_steps"])
+                nbytes = runner.weight_bytes
+                return {"tokens": m["tokens"], "seconds": m["seconds"], **_percentiles(m["gaps"]),
+                        "decode_tok_per_s": m["decode_tokens"] / m["decode_s"] if m["decode_s"] else None,
+                        "prefill_tok_per_s": m["prefill_tokens"] / m["prefill_s"] if m["prefill_s"] else None,
+                        "decode_mbu": nbytes * len(steps) / m["decode_s"] / peak_bw if peak_bw and m["decode_s"] else None,
+                        "decode_mbu_p50": nbytes / steps[len(steps) // 2] / peak_bw if peak_bw and steps else None,
+                        "outputs": m["outputs"]}
+
+            cells.append(((name, "Q4_1", measure, lambda b, runner=runner: runner.run(grid_prompts(b), b, 4) and None),
+                          runner.close))
+        elif name == "vllm-generate":
+            try:
+                import vllm  # noqa: F401
+            except ImportError as e:
+                log(f"vllm-generate left out: vLLM is not installed ({e})")
+                continue
+            shape = read_hf_shape(model_dir)
+            for dtype in ("float32", "bfloat16"):  # the same KV room as the native engine's, in vLLM's dtype
+                kv_bytes = kv_tokens * 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * (
+                    4 if dtype == "float32" else 2)
+                runner = peers.VllmOwnRunner(model_dir, dtype, max(batches), max_len, kv_bytes)
+
+                def measure(b: int, mode: str, runner=runner) -> dict:
+                    return runner.run(grid_prompts(b), b, new_tokens, **MODES[mode])
+
+                cells.append(((f"vllm-generate:{'fp32' if dtype == 'float32' else 'bf16'}", dtype, measure, None),
+                              runner.close))
+    return cells
 
 
 def _threads() -> int:
@@ -390,7 +476,7 @@ def _compare(results: list[Measurement]) -> None:
         peers = [p.tok_per_s for p in grid if (p.batch, p.mode) == (m.batch, m.mode)
                  and p.engine.split(":")[0] != m.engine.split(":")[0]]
         m.vs_best_peer = m.tok_per_s / max(peers) if peers else None
-        if m.engine.startswith("native:") and m.mode == "greedy":  # every variant against eager fp32
+        if m.engine != "native" and m.mode == "greedy" and m.outputs:  # every variant and peer against eager fp32
             ref = next((p for p in grid if (p.engine, p.batch, p.mode) == ("native", m.batch, "greedy")), None)
             m.agreement_fp32 = agreement(ref.outputs, m.outputs) if ref else None
     for m in results:
@@ -426,16 +512,18 @@ def format_bench(results: list[Measurement], conditions: dict) -> str:
     reps = c.get("repeats", 1)
     how = "one run" if reps == 1 else f"one run, each cell measured {reps} times (modes alternating), the median shown"
     lines = [f"batchgen bench, {how}, {c['date']}: model {Path(c['model']).name}, {c['new_tokens']} new tokens per "
-             f"prompt, {c['cpu']} ({c['cores']} cores, torch threads {c['torch_threads']}), peak read "
+             f"prompt, {c['cpu']} ({c.get('cpu_features', '?')}; {c['cores']} cores, torch threads {c['torch_threads']}), peak read "
              f"{(c['peak_read_bytes_per_s'] or 0) / 1e9:.1f} GB/s measured at the start of this run (the cached "
              f"probe: {(c.get('cached_probe_read_bytes_per_s') or 0) / 1e9:.1f}); {c['packages']}",
-             "", f"{'engine':<15} {'dtype':<9} {'batch':>5} {'mode':<8} {'tok/s':>8} {'vs best peer':>12} "
+             "", f"{'engine':<18} {'dtype':<9} {'batch':>5} {'mode':<8} {'tok/s':>8} {'dec tok/s':>9} {'pre tok/s':>9} "
+                 f"{'vs best peer':>12} "
                  f"{'ITL p50 ms':>10} {'p95':>7} {'p99':>7} {'MBU':>5} {'dec MBU':>7} {'agree fp32':>10} {'compile s':>9} "
                  f"{'pick %':>6}"
                  + (f" {'spread':>6}" if reps > 1 else "")]
     for m in (r for r in results if r.section == "grid"):
         ms = lambda v: _fmt(None if v is None else 1000 * v, ".1f")  # noqa: E731
-        lines.append(f"{m.engine:<15} {m.dtype:<9} {m.batch:>5} {m.mode:<8} {m.tok_per_s:>8.1f} "
+        lines.append(f"{m.engine:<18} {m.dtype:<9} {m.batch:>5} {m.mode:<8} {m.tok_per_s:>8.1f} "
+                     f"{_fmt(m.decode_tok_per_s, '.1f'):>9} {_fmt(m.prefill_tok_per_s, '.0f'):>9} "
                      f"{_fmt(m.vs_best_peer, '.2f') + ('x' if m.vs_best_peer else ''):>12} {ms(m.itl_p50_s):>10} {ms(m.itl_p95_s):>7} "
                      f"{ms(m.itl_p99_s):>7} {_fmt(m.mbu, '.2f'):>5} {_fmt(m.decode_mbu, '.2f'):>7} "
                      f"{_fmt(m.agreement_fp32, '.2f'):>10} {_fmt(m.compile_s, '.1f'):>9} "
@@ -466,13 +554,25 @@ def targets(results: list[Measurement], conditions: dict | None = None) -> list[
         return max(got, key=lambda m: m.tok_per_s) if got else None
 
     out = ["targets (this run):"]
-    nat, hf, auto = fp32(64, "greedy"), get("hf", 64, "greedy"), get("native:auto", 64, "greedy")
-    if nat and hf:
-        r = nat.tok_per_s / hf.tok_per_s
-        out.append(f"  batch 64 fp32 greedy, {nat.engine} / HF: {r:.2f}x (target 1.5x) {'met' if r >= 1.5 else 'MISSED'}")
-    if auto and hf:
-        r = auto.tok_per_s / hf.tok_per_s
-        out.append(f"  batch 64 best dtype ({auto.dtype}) / HF fp32: {r:.2f}x (target 2x) {'met' if r >= 2 else 'MISSED'}")
+    grid = [m for m in results if m.section == "grid"]
+    for b in (64, 256):  # against vLLM's own generate, in its dtype, prefill included
+        for dtype, tag in (("float32", "fp32"), ("bfloat16", "bf16")):
+            peer = get(f"vllm-generate:{tag}", b, "greedy")
+            mine = [m for m in grid if m.engine.startswith("native") and m.dtype == dtype and m.batch == b
+                    and m.mode == "greedy" and m.engine != "native:gguf"]
+            if peer and mine:
+                best = max(mine, key=lambda m: m.tok_per_s)
+                r = best.tok_per_s / peer.tok_per_s
+                out.append(f"  batch {b} {dtype} greedy, {best.engine} / vLLM's generate: {r:.2f}x (target 1.2x) "
+                           f"{'met' if r >= 1.2 else 'MISSED'}")
+    llama = get("llama.cpp", 1, "greedy")
+    if llama and llama.decode_tok_per_s:  # batch 1, decode steps only
+        for engine in ("native:auto", "native:gguf"):
+            m = get(engine, 1, "greedy")
+            if m and m.decode_tok_per_s:
+                r = m.decode_tok_per_s / llama.decode_tok_per_s
+                out.append(f"  batch 1 decode, {engine} ({m.dtype}) / llama.cpp Q4_1: {r:.2f}x (target 1.0x) "
+                           f"{'met' if r >= 1.0 else 'MISSED'}; with prefill {m.tok_per_s / llama.tok_per_s:.2f}x")
     # judged at the median step, with the mean beside it: these runs share a noisy machine, and a slow
     # patch of a few seconds moves a run's total time (and so its tok/s) by more than a 5% target
     one = fp32(1, "greedy")

@@ -68,7 +68,7 @@ def cmd_bench(args) -> int:
 
     results, conditions = run_bench(resolve_model(args.model), csv(args.engines), [int(b) for b in csv(args.batches)],
                                     csv(args.modes), args.new_tokens, args.speculative, args.spec_batch,
-                                    repeats=args.repeats)
+                                    repeats=args.repeats, native_variants=tuple(csv(args.native_variants)))
     print(format_bench(results, conditions))
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}.parquet")
     print(f"\nresults: {write_parquet(results, conditions, out)}")
@@ -110,7 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--price-per-hour", type=float, metavar="PRICE",
                      help="what the machine costs per hour (any currency): adds cost per million output tokens")
     bench = sub.add_parser("bench", help="engines side by side on the held prompts, in one run (the judge)")
-    bench.add_argument("--engines", default="native,vllm,hf", help="comma-separated: native, vllm, hf")
+    bench.add_argument("--engines", default="native,vllm,hf,llama.cpp,vllm-generate",
+                       help="comma-separated: native, vllm (through batchgen), hf (the naive baseline), and the outside "
+                            "peers llama.cpp (llama-cpp-python on the model's GGUF) and vllm-generate (vLLM's own "
+                            "LLM.generate, fp32 and bf16); a peer that is not installed is left out with a line")
+    bench.add_argument("--native-variants", default="eager,compiled,onednn,auto,int4,gguf",
+                       help="the native engine's variants to measure (comma-separated)")
     bench.add_argument("--batches", default="1,8,64,256", help="requests in flight, comma-separated")
     bench.add_argument("--modes", default="greedy,sampled", help="greedy, sampled (T 0.7, top-p 0.95)")
     bench.add_argument("--repeats", type=int, default=1,

@@ -58,3 +58,49 @@ def test_repeats_alternate_the_modes_and_keep_the_median(tiny_model_dir):
     assert all(m.repeats == 3 and m.spread is not None and m.spread >= 0 for m in grid)
     assert all(m.tokens == m.prompts * 3 for m in grid)
     assert "the median shown" in format_bench(results, conditions) and "spread" in format_bench(results, conditions)
+
+
+def test_a_peer_that_is_not_installed_is_left_out_with_a_line(tiny_model_dir, monkeypatch):
+    """llama.cpp and vLLM's own generate are optional peers: a run without them says so and goes on."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    lines = []
+    results, _ = run_bench(tiny_model_dir, ["native", "llama.cpp", "vllm-generate"], [1], ["greedy"], new_tokens=2,
+                           speculative_k=0, log=lines.append, native_variants=("eager",))
+    assert [m.engine for m in results] == ["native"]
+    assert any(line.startswith("llama.cpp left out: llama-cpp-python is not installed") for line in lines)
+    assert any(line.startswith("vllm-generate left out: vLLM is not installed") for line in lines)
+
+
+def test_llama_cpp_runs_the_shipped_gguf_as_a_peer(real_model_dir):
+    """The llama.cpp peer on the model's own GGUF (where llama-cpp-python is installed: the `peers`
+    extra, which neither set-up nor CI builds): greedy tokens in llama.cpp's own loop, one KV stream
+    per sequence, every step timed; its tokens agree with batchgen's on the same weights."""
+    from batchgen.benchmarks import peers
+
+    why = peers.llama_cpp_available()
+    if why:
+        pytest.skip(f"{why}; pip install '.[peers]' to run it")
+    from batchgen.bench import agreement, held_prompts
+    from batchgen.config import SamplingParams
+    from batchgen.model.tokenizer import Tokenizer
+
+    from conftest import engine_tokens
+
+    tok = Tokenizer(real_model_dir)
+    texts = held_prompts(3)
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+    runner = peers.LlamaCppRunner(sorted(real_model_dir.glob("*.gguf"))[0], 3, 512, 2)
+    try:
+        got = runner.run(prompts, 3, 8)
+    finally:
+        runner.close()
+    assert got["tokens"] == 24 and got["prefill_tokens"] == sum(map(len, prompts))
+    assert len(got["decode_steps"]) == 7 and len(got["gaps"]) == 21 and got["decode_s"] > 0
+    ours, _ = engine_tokens(real_model_dir, [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts],
+                            SamplingParams(max_tokens=8, ignore_eos=True), dtype="float32", max_num_seqs=3,
+                            max_model_len=512, compile="off")
+    # llama.cpp quantizes activations to 8 bits for its Q4_1 products; the first tokens still agree
+    assert agreement([ours[str(i)] for i in range(3)], got["outputs"]) >= 0.5

