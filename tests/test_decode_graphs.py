@@ -22,6 +22,13 @@ def test_row_buckets_are_powers_of_two_then_multiples_of_eight():
     assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 33, 64, 65)] == [1, 2, 4, 8, 8, 16, 16, 40, 64, 72]
 
 
+def record_cheap_compiles(model_dir, **cfg) -> None:
+    """Put a cheap compile cost on this machine's record for the model as an engine of `cfg` loads it
+    (the record is per model shape, dtype and weight layout), so that --compile auto compiles at once."""
+    e = NativeEngine(model_dir, EngineConfig(compile="off", **cfg))
+    decode_graphs._record_compile_s("cpu", decode_graphs._compile_record(e.model), 1e-4)
+
+
 def generate(model_dir, cuda_graphs, dtype="float32", compile="off", **cfg):
     e = NativeEngine(model_dir, EngineConfig(max_num_seqs=6, max_model_len=160, dtype=dtype, compile=compile,
                                              cuda_graphs=cuda_graphs, block_size=4, **cfg))
@@ -80,8 +87,8 @@ def test_compiled_decode_step_gives_the_eager_tokens(tiny_model_dir, dtype, tmp_
     c = on.conditions()
     assert c["compile"] == "whole decode step per bucket" and c["compile_s"] == g.compile_s > 0
     assert "compiled per (rows, pairs) bucket on a bucket's first use" in c["cuda_graphs"]
-    # the compile cost is recorded for this machine: what --compile auto rents against next time
-    assert decode_graphs._estimated_compile_s("cpu") > 0
+    # the compile cost is recorded for this machine and model: what --compile auto rents against next time
+    assert decode_graphs._estimated_compile_s("cpu", g.record) > 0
 
 
 def test_auto_compile_runs_eager_until_a_bucket_has_paid_for_its_compile(tiny_model_dir, tmp_path, monkeypatch):
@@ -96,7 +103,7 @@ def test_auto_compile_runs_eager_until_a_bucket_has_paid_for_its_compile(tiny_mo
     assert not g.buckets and g.num_steps == 0 and sum(g.eager_s.values()) > 0 and g.compile_s == 0
     assert e.conditions()["compile"] == "auto: whole decode step per bucket"
     # a machine whose compiles are cheap: a bucket compiles once its eager time passes that cost / SAVING
-    decode_graphs._record_compile_s("cpu", 1e-4)
+    decode_graphs._record_compile_s("cpu", g.record, 1e-4)
     got, e = generate(tiny_model_dir, "auto", compile="auto")
     g = e.runner.graphs
     assert got == ref and g.compile_after_s == pytest.approx(1e-4 / decode_graphs.SAVING)
@@ -119,7 +126,7 @@ def test_a_compile_that_fails_under_auto_falls_back_to_the_eager_step(tiny_model
     monkeypatch.setenv("BATCHGEN_HOME", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # cold: the compiler must run
     torch._dynamo.reset()  # nor steps compiled by earlier tests in this process
-    decode_graphs._record_compile_s("cpu", 1e-4)  # cheap compiles on record: auto compiles at once
+    record_cheap_compiles(tiny_model_dir, dtype="float32", max_num_seqs=6)  # auto compiles at once
     ref, _ = generate(tiny_model_dir, "off", compile="off")
     with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}):  # (Inductor's own patcher restores it)
         got, e = generate(tiny_model_dir, "auto", compile="auto")
@@ -139,7 +146,7 @@ def test_run_json_records_the_seconds_compiled_during_the_run(tiny_model_dir, tm
     from conftest import make_run
 
     monkeypatch.setenv("BATCHGEN_HOME", str(tmp_path))
-    decode_graphs._record_compile_s("cpu", 1e-4)  # cheap compiles on record: auto compiles at once (the defaults)
+    record_cheap_compiles(tiny_model_dir, max_num_seqs=4)  # auto compiles at once (the run's settings)
     doc = json.loads((make_run(tmp_path, tiny_model_dir, "compiled", max_num_seqs=4) / "run.json").read_text())
     engine = doc["conditions"]["engine"]
     assert engine["compile"] == "auto: whole decode step per bucket" and engine["compile_s"] > 0

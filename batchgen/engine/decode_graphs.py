@@ -32,6 +32,7 @@ dynamic path.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from typing import Callable
@@ -101,7 +102,9 @@ class DecodeGraphs:
         self.num_steps = 0  # decode steps run through a bucket (replayed, compiled, or eager)
         self.compile_s = 0.0  # seconds spent compiling buckets
         self.auto = compile_after_s is None
-        self.compile_after_s = compile_after_s if compile_after_s is not None else _estimated_compile_s(device) / SAVING
+        self.record = _compile_record(model)
+        self.compile_after_s = (compile_after_s if compile_after_s is not None
+                                else _estimated_compile_s(device, self.record) / SAVING)
         self.eager_s: dict[tuple[int, int], float] = {}  # seconds of dynamic steps per bucket not yet compiled
         self.compiled_step = None
         self.failed: str | None = None  # why a compile failed under auto (the dynamic path serves from then on)
@@ -149,7 +152,7 @@ class DecodeGraphs:
                 return dynamic()
             took = time.perf_counter() - t0
             st.compiled, self.compile_s = True, self.compile_s + took
-            _record_compile_s(self.device, took)
+            _record_compile_s(self.device, self.record, took)
             return out[:R]
         if st.graph is None:
             self._capture(st)
@@ -215,13 +218,22 @@ class DecodeGraphs:
 
 # ---- the compile cost measured on this machine (what `--compile auto` rents against) ----------------
 
-def _estimated_compile_s(device: str) -> float:
+def _compile_record(model) -> str:
+    """The machine record's name for this model's compile cost: Dynamo traces every layer, so a
+    2-layer model's seconds say little about a 30-layer one's (and the weight format changes the graph)."""
+    c = model.config
+    shape = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.vocab_size, str(model.dtype),
+             model.weight_layout.split(" (")[0])
+    return "-compile-" + hashlib.sha256(repr(shape).encode()).hexdigest()[:12]
+
+
+def _estimated_compile_s(device: str, record: str) -> float:
     try:
-        return float(json.loads(machine_record("-compile", device).read_text())["seconds"])
+        return float(json.loads(machine_record(record, device).read_text())["seconds"])
     except (OSError, ValueError, KeyError, TypeError):
         return UNMEASURED_COMPILE_S
 
 
-def _record_compile_s(device: str, seconds: float) -> None:
-    write_record(machine_record("-compile", device),
+def _record_compile_s(device: str, record: str, seconds: float) -> None:
+    write_record(machine_record(record, device),
                  {"seconds": seconds, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
