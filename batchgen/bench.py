@@ -476,9 +476,12 @@ def _compare(results: list[Measurement]) -> None:
         peers = [p.tok_per_s for p in grid if (p.batch, p.mode) == (m.batch, m.mode)
                  and p.engine.split(":")[0] != m.engine.split(":")[0]]
         m.vs_best_peer = m.tok_per_s / max(peers) if peers else None
-        if m.engine != "native" and m.mode == "greedy" and m.outputs:  # every variant and peer against eager fp32
-            ref = next((p for p in grid if (p.engine, p.batch, p.mode) == ("native", m.batch, "greedy")), None)
-            m.agreement_fp32 = agreement(ref.outputs, m.outputs) if ref else None
+        # every variant and peer against native fp32: eager, or compiled where eager is not in the run
+        # (the two give the same tokens, tested)
+        ref = next((p for name in ("native", "native:compiled") for p in grid
+                    if (p.engine, p.batch, p.mode) == (name, m.batch, "greedy")), None)
+        if ref is not None and ref is not m and m.mode == "greedy" and m.outputs:
+            m.agreement_fp32 = agreement(ref.outputs, m.outputs)
     for m in results:
         if m.section == "speculative" and m.speculative_k:
             off = next(p for p in results if p.section == "speculative" and p.speculative_k == 0

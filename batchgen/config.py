@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -326,12 +326,3 @@ def derive_seed(run_seed: int, request_id: str) -> int:
 def is_plain_name(name: str) -> bool:
     """One directory name directly under its parent: nothing that climbs out or hides."""
     return bool(name) and not name.startswith(".") and not any(c in name for c in "/\\\0")
-
-
-def dataclass_fields(cls) -> set[str]:
-    return {f.name for f in fields(cls)}
-
-
-def override(obj, **changes):
-    """`dataclasses.replace` that ignores None values (unset CLI flags)."""
-    return replace(obj, **{k: v for k, v in changes.items() if v is not None})

@@ -3,7 +3,7 @@
     open_run (validate input, lock, run.json) -> run_shard for each shard -> finalize (_SUCCESS)
 
 `generate` does all of it in one process (the CLI). A Prefect flow calls `open_run` and `finalize`
-itself and fans `run_shard_task` out as one task per shard, in process or on Ray workers: each
+itself and fans `generate_shard` (flows/generate.py) out as one task per shard, in process or on Ray workers: each
 worker keeps its engine loaded across shards, and a per-shard lock stops two workers doing one shard.
 Committed shards are skipped on resume once their files match their manifest's checksums; a partial
 or damaged one is cleared and redone. A request that makes the engine fail is isolated and becomes

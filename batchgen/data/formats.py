@@ -22,6 +22,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchgen.data.errors import InputError
+
 OPENAI_BODY_FIELDS = ("messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
                       "stop", "n", "response_format", "logprobs", "top_logprobs", "top_k")
 
@@ -32,8 +34,6 @@ def is_jsonl(name: str) -> bool:
 
 def read_jsonl(data: bytes, where: str) -> pa.Table:
     """A JSONL file's rows as a table (OpenAI Batch lines mapped to batchgen's columns)."""
-    from batchgen.data.reader import InputError
-
     rows: list[dict[str, Any]] = []
     openai = None
     for n, line in enumerate(data.decode("utf-8", errors="strict").splitlines(), start=1):
@@ -62,8 +62,6 @@ def read_jsonl(data: bytes, where: str) -> pa.Table:
 
 
 def _openai_row(obj: dict[str, Any], where: str, n: int) -> dict[str, Any]:
-    from batchgen.data.reader import InputError
-
     body = obj.get("body")
     if not isinstance(body, dict):
         raise InputError(f"{where}: line {n} (custom_id {obj.get('custom_id')!r}) has no body object")

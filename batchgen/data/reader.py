@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from batchgen.data.errors import InputError
 from batchgen.data.formats import is_jsonl, read_jsonl
 from batchgen.data.fs import filesystem, is_uri
 from batchgen.data.storage import sha256_file
@@ -28,10 +29,6 @@ from batchgen.data.storage import sha256_file
 PROMPT, MESSAGES, ID = "prompt", "messages", "id"
 PARAM_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "n")
 ROW_COLUMNS = ("stop", "system", "chat_template_kwargs", "response_format", "lora")  # per-row request options, checked row by row
-
-
-class InputError(ValueError):
-    """The input as a whole cannot be used; nothing was generated."""
 
 
 def _data_file(name: str) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import flashinfer  # noqa: F401 - ImportError here makes select_backend fall back to the PyTorch path
 import torch
 
-from batchgen.engine.attention import AttentionMetadata
+from batchgen.engine.attention_metadata import AttentionMetadata
 
 
 class FlashInferBackend:

@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from batchgen.engine.attention import _FAR, AttentionMetadata, TileGroup
+from batchgen.engine.attention_metadata import FAR, AttentionMetadata, TileGroup
 from batchgen.metrics.probe import machine_record, write_record
 from batchgen.model.linear import let_inductor_call_prepacked
 
@@ -174,7 +174,7 @@ class DecodeGraphs:
             # a padding pair sits on row 0 and starts past every query, so all of it is masked
             st.pair_tile: pairs[0] + list(range(R, B)) + [0] * pad_pairs,
             st.pair_blocks: pairs[1] + [[self.scratch] * kt] * (pad_rows + pad_pairs),
-            st.pair_pos0: pairs[2] + [0] * pad_rows + [_FAR] * pad_pairs,
+            st.pair_pos0: pairs[2] + [0] * pad_rows + [FAR] * pad_pairs,
         }
         for buf, values in cols.items():
             buf.copy_(torch.tensor(values, dtype=torch.int64), non_blocking=True)

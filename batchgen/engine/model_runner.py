@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from batchgen.engine.attention import DECODE_KEYS, PREFILL_KEYS, PREFILL_TILE, _FAR, AttentionMetadata, TileGroup
+from batchgen.engine.attention_metadata import DECODE_KEYS, FAR, PREFILL_KEYS, PREFILL_TILE, AttentionMetadata, TileGroup
 from batchgen.engine.kv_cache import PagedKVCache
 from batchgen.engine.request import Request
 from batchgen.engine.sampler import Sampler
@@ -211,7 +211,7 @@ class _TileBuilder:
             pad = W - n
             _pairs(self.pairs, len(self.tok), table, c.start + t0 + n - 1, bs, kt)
             self.tok.append(list(range(base + t0, base + t0 + n)) + [0] * pad)
-            self.pos.append(list(range(c.start + t0, c.start + t0 + n)) + [_FAR] * pad)
+            self.pos.append(list(range(c.start + t0, c.start + t0 + n)) + [FAR] * pad)
             self.valid.append([True] * n + [False] * pad)
 
     def group(self, i64) -> TileGroup | None:
