@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+N_BATCH = 2048  # tokens per llama_decode call (prompts are fed in chunks of this many)
 
 def llama_cpp_available() -> str | None:
     """None where llama-cpp-python imports; else why not."""
@@ -40,22 +41,18 @@ class LlamaCppRunner:
         self.model = lc.llama_model_load_from_file(str(gguf).encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
-        self.vocab = lc.llama_model_get_vocab(self.model)
-        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
-        self.max_batch, self.max_len = max_batch, max_len
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
         cparams = lc.llama_context_default_params()
         cparams.n_seq_max = max_batch
         cparams.kv_unified = False  # a KV stream per sequence: each attends over its own tokens only
         cparams.n_ctx = max_batch * max_len  # split evenly over the sequences' streams
-        cparams.n_batch = cparams.n_ubatch = 2048
+        cparams.n_batch = cparams.n_ubatch = self.n_batch = N_BATCH
         cparams.n_threads = cparams.n_threads_batch = threads
         self.ctx = lc.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")
-        self.n_batch = 2048
         self.batch = lc.llama_batch_init(self.n_batch, 0, max_batch)
-        self.weight_bytes = Path(gguf).stat().st_size  # the whole file, less the embedding rows not read: close
-        self.version = getattr(lc, "__version__", "?")
+        self.weight_bytes = Path(gguf).stat().st_size  # a step reads about the whole file (its MBU's bytes)
 
     def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
         """entries: (token, position, sequence, wants logits), at most n_batch of them."""
@@ -112,7 +109,7 @@ class LlamaCppRunner:
             outputs += out
         return {"tokens": tokens, "seconds": seconds, "gaps": gaps, "outputs": outputs, "prefill_s": prefill_s,
                 "prefill_tokens": prefill_tokens, "decode_s": decode_s, "decode_steps": dec_steps,
-                "decode_tokens": tokens - sum(1 for _ in outputs)}
+                "decode_tokens": tokens - len(outputs)}
 
     def close(self) -> None:
         self.lc.llama_batch_free(self.batch)
@@ -132,9 +129,6 @@ class VllmOwnRunner:
         # memory); everything else is vLLM's default
         self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_len, max_num_seqs=max(max_batch, 1),
                        kv_cache_memory_bytes=kv_bytes, seed=0)
-        import vllm
-
-        self.version = vllm.__version__
         self.warmed: set[int] = set()
 
     def run(self, prompt_ids: list[list[int]], batch: int, new_tokens: int, temperature: float = 0.0,
