@@ -22,7 +22,7 @@ ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 TOO_LONG_POLICIES = ("error", "truncate")
 ENGINES = ("native", "vllm")
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 # float32's CPU matmul (batchgen.model.linear): batchgen's gemv kernel, oneDNN's, or the faster of the two
 # at the run's batch band, measured once per machine (batchgen.engine.precision.resolve_fp32_kernel)
 FP32_KERNELS = ("auto", "gemv", "onednn")
@@ -215,7 +215,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: the fastest for this machine and max_num_seqs (batchgen.engine.precision)
     device: str = "cpu"
     enable_kv_cache: bool = True  # False recomputes the whole history every step (the lab)
-    attention_backend: str = "auto"  # auto: FlashInfer on CUDA where installed, else the PyTorch path
+    attention_backend: str = "auto"  # auto: FlashInfer on CUDA, the C++ kernel on CPU, where they load; else the PyTorch path
     speculative_ngram: int = 0  # draft tokens per step from n-gram prompt lookup (0: no speculation)
     prompt_lookup_min: int = 2  # shortest n-gram matched
     prompt_lookup_max: int = 4  # longest n-gram matched, tried first

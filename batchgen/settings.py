@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from batchgen.config import QUANTIZATIONS, EngineConfig, RunConfig, SamplingParams
+from batchgen.config import ATTENTION_BACKENDS, QUANTIZATIONS, EngineConfig, RunConfig, SamplingParams
 from batchgen.data.response_format import normalise_response_format
 
 
@@ -111,9 +111,10 @@ class GenerateSettings(BaseModel):
         description="torch.compile (Inductor): on CPU the whole decode step, once per (rows, pairs) bucket; on CUDA "
                     "the step's elementwise kernels. auto: on CUDA; on CPU a bucket compiles once its eager steps "
                     "have cost what a compile costs on this machine (long jobs compile, short ones do not)")
-    attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
+    attention_backend: Literal[ATTENTION_BACKENDS] = Field(
         "auto", title="Attention kernel (native engine)",
-        description="auto: FlashInfer's paged kernel on CUDA where installed, else the PyTorch path")
+        description="auto: FlashInfer's paged kernel on CUDA where installed, batchgen's C++ paged kernel on CPU "
+                    "where it builds, else the PyTorch path")
     shard_size: int = Field(1000, ge=1, title="Rows per shard",
                             description="the unit of commit and resume: a crash redoes at most one shard per worker")
     too_long: Literal["error", "truncate"] = Field("error", title="Prompts longer than the context",

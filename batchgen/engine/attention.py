@@ -8,13 +8,16 @@ its own blocks: no padding to the longest context in the batch, only its last ke
 tail, masked. Decode tiles, prefill tiles and speculative-verify tiles (1 + k tokens) are separate
 calls, so a decode token is never padded to a prefill tile's width.
 
-On CUDA, `FlashInferBackend` runs a real paged kernel instead when flashinfer is installed.
+On CPU, `CpuPagedAttention` runs the same plan through batchgen's C++ kernel
+(batchgen/kernels/attention.cpp): one call a layer and group, reading the blocks in place. On CUDA,
+`FlashInferBackend` runs a real paged kernel instead when flashinfer is installed.
 """
 
 from __future__ import annotations
 
 import torch
 
+from batchgen import kernels
 from batchgen.engine.attention_metadata import AttentionMetadata, TileGroup
 
 def _tile_attention(q: torch.Tensor, g: TileGroup, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -67,9 +70,42 @@ class TorchPagedAttention:
         return out
 
 
+class CpuPagedAttention(TorchPagedAttention):
+    """batchgen's C++ kernel for every group of a step (CPU, the "HND" cache): no gathered copies of
+    the blocks, and a query row's result independent of its batch (see attention.cpp)."""
+
+    name = "cpu-paged"
+
+    def __init__(self):
+        why = kernels.load("attention")
+        if why is not None:
+            raise RuntimeError(f"batchgen's attention kernel is unavailable here ({why})")
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for g in (meta.decode, meta.prefill, meta.verify):
+            if g is None:
+                continue
+            o = torch.ops.batchgen_attention.paged(q[g.token_idx], k_cache, v_cache, g.q_pos, g.pair_tile,
+                                                   g.pair_blocks, g.pair_pos0, scale, window or 0, softcap or 0.0)
+            if g.valid is None:
+                out[g.token_idx.view(-1)] = o.reshape(-1, *q.shape[1:])
+            else:
+                out[g.token_idx[g.valid]] = o[g.valid]
+        return out
+
+
 def select_backend(device: str, name: str = "auto"):
     """`auto`: a real paged-attention kernel where one is installed for the device (FlashInfer on
-    CUDA), else the PyTorch path. `torch` or `flashinfer` ask for one (flashinfer must import)."""
+    CUDA, batchgen's C++ kernel on CPU where it builds), else the PyTorch path. `torch`, `cpu` or
+    `flashinfer` ask for one (it must load)."""
+    if name == "cpu" or (name == "auto" and device == "cpu"):
+        try:
+            return CpuPagedAttention()
+        except RuntimeError:
+            if name == "cpu":
+                raise
     if name == "flashinfer" or (name == "auto" and device.startswith("cuda")):
         try:
             from batchgen.engine.attention_flashinfer import FlashInferBackend

@@ -1,0 +1,315 @@
+// Paged attention on CPU: every query tile of a step against its own KV blocks, in one call a layer.
+//
+// The PyTorch path (batchgen.engine.attention) gathers each (query tile, key tile) pair's blocks into
+// a new tensor, then runs a dozen small ops for the scores, masks and the split softmax: about 20
+// kernels a layer, some 4 ms of a 12 ms batch-1 decode step of SmolLM2-135M on a 2-core Zen 4. Here a
+// task is one (query tile, KV head): it walks its pairs' blocks in place, in position order, and for
+// each query row (every query head of the group, every token of the tile) folds a block at a time
+// into a running max, sum and output (flash-decoding's online softmax), in float32 whatever the
+// cache's dtype. vLLM's CPU backend does the same with its own paged kernel.
+//
+// A query row's result depends only on its own query, position and keys: the blocks are visited in
+// position order and each is folded in the same operations, whatever the tile the row sits in, the
+// rows beside it, how the blocks are grouped into key tiles, or the threads. So a token's attention
+// is the same at batch 1 or 64, in a decode step or a prompt chunk (batch invariance).
+//
+// Inputs are the step's plan (batchgen.engine.attention_metadata.TileGroup):
+//   q [N, Qt, Hkv, G, D] the tiles' queries; k_cache, v_cache [blocks, Hkv, bs, D] ("HND");
+//   q_pos [N, Qt] each query's position (a key is visible at positions <= it, and, with a sliding
+//   window w, > q_pos - w); pair_tile [P], pair_blocks [P, KT], pair_pos0 [P]: each pair's tile, its
+//   KT blocks and the position of its first slot. Pairs of a tile are taken in their order in P.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include <cstring>
+#include <type_traits>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int VL = 16;  // floats per vector register (built with -march=native: the machine's width)
+#elif defined(__AVX__)
+constexpr int VL = 8;
+#else
+constexpr int VL = 4;
+#endif
+typedef float vec __attribute__((vector_size(VL * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(VL * sizeof(int32_t))));
+
+inline vec load(const float* p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+inline vec splat(float x) { return vec{} + x; }
+
+inline float hsum(vec v) {  // the lanes summed in one fixed order (a tree)
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+#elif defined(__AVX__) && !defined(__AVX512F__)
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+#endif
+  float t[VL];
+  store(t, v);
+  for (int w = VL / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) t[i] += t[i + w];
+  return t[0];
+}
+
+// e^x on a vector, float32: x = n ln2 + r (|r| <= ln2 / 2), e^r by its degree-6 Taylor polynomial
+// (relative error ~2e-7, float32's own rounding), times 2^n set in the exponent bits. x below -87
+// gives 0 (its true value is under float32's normal range), so a softmax weight never overflows.
+inline vec vexp(vec x) {
+  const vec lo = splat(-87.f), hi = splat(88.f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  vec n = x * 1.44269504088896341f;
+  n = __builtin_convertvector(__builtin_convertvector(n + (n >= 0 ? splat(0.5f) : splat(-0.5f)), ivec), vec);
+  vec r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  vec p = splat(1.f / 720);
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  vec scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x <= lo ? splat(0.f) : p * scale;
+}
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
+
+constexpr int64_t MAX_BS = 256;  // block sizes the vector path holds scores for (larger: config allows 1024)
+
+// One query row against one block's visible slots [lo, hi): fold them into the row's running max m,
+// sum l and output acc [NV * VL]. k and v are the block's rows [bs, NV * VL], float32.
+template <int NV>
+inline void fold(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, int64_t lo,
+                 int64_t hi, float scale, float cap, float& m, float& l, float* __restrict__ acc) {
+  constexpr int64_t D = NV * VL;
+  alignas(64) float s[MAX_BS + VL];
+  vec qv[NV];
+  for (int i = 0; i < NV; ++i) qv[i] = load(q + i * VL);
+  float mb = -std::numeric_limits<float>::infinity();
+  for (int64_t j = lo; j < hi; ++j) {
+    const float* kj = k + j * D;
+    vec a = qv[0] * load(kj);
+    for (int i = 1; i < NV; ++i) a += qv[i] * load(kj + i * VL);
+    float x = hsum(a) * scale;
+    if (cap > 0.f) x = std::tanh(x / cap) * cap;  // Gemma 2: scores squashed into (-cap, cap)
+    s[j] = x;
+    mb = std::max(mb, x);
+  }
+  const float m_new = std::max(m, mb);
+  const float alpha = std::exp(m - m_new);  // 0 on the row's first block (m = -inf)
+  for (int64_t j = lo - lo % VL; j < hi; j += VL) store(s + j, vexp(load(s + j) - m_new));
+  vec o[NV];
+  for (int i = 0; i < NV; ++i) o[i] = load(acc + i * VL) * alpha;
+  float sum = 0.f;
+  for (int64_t j = lo; j < hi; ++j) {
+    const float e = s[j];
+    sum += e;
+    const float* vj = v + j * D;
+    for (int i = 0; i < NV; ++i) o[i] += e * load(vj + i * VL);
+  }
+  for (int i = 0; i < NV; ++i) store(acc + i * VL, o[i]);
+  l = l * alpha + sum;
+  m = m_new;
+}
+
+// the same for any D (not a multiple of the vector width, or too wide), scalar
+inline void fold_any(const float* q, const float* k, const float* v, int64_t D, int64_t lo, int64_t hi, float scale,
+                     float cap, float& m, float& l, float* acc) {
+  std::vector<float> s(hi);
+  float mb = -std::numeric_limits<float>::infinity();
+  for (int64_t j = lo; j < hi; ++j) {
+    float x = 0.f;
+    for (int64_t d = 0; d < D; ++d) x += q[d] * k[j * D + d];
+    x *= scale;
+    if (cap > 0.f) x = std::tanh(x / cap) * cap;
+    s[j] = x;
+    mb = std::max(mb, x);
+  }
+  const float m_new = std::max(m, mb);
+  const float alpha = std::exp(m - m_new);
+  float sum = 0.f;
+  for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+  for (int64_t j = lo; j < hi; ++j) {
+    const float e = std::exp(s[j] - m_new);
+    sum += e;
+    for (int64_t d = 0; d < D; ++d) acc[d] += e * v[j * D + d];
+  }
+  l = l * alpha + sum;
+  m = m_new;
+}
+
+using Fold = void (*)(const float*, const float*, const float*, int64_t, int64_t, float, float, float&, float&, float*);
+
+Fold fold_for(int64_t D, int64_t bs) {
+  if (bs > MAX_BS || D % VL) return nullptr;
+  switch (D / VL) {
+    case 1: return &fold<1>;
+    case 2: return &fold<2>;
+    case 4: return &fold<4>;
+    case 8: return &fold<8>;
+    case 16: return &fold<16>;
+    case 32: return &fold<32>;
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_pos,
+            const at::Tensor& pair_tile, const at::Tensor& pair_blocks, const at::Tensor& pair_pos0, double scale,
+            int64_t window, double softcap, at::Tensor& out) {
+  const int64_t N = q.size(0), Qt = q.size(1), Hkv = q.size(2), G = q.size(3), D = q.size(4);
+  const int64_t bs = k_cache.size(2), P = pair_tile.size(0), KT = pair_blocks.size(1);
+  const int64_t QG = Qt * G;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* qpos = q_pos.data_ptr<int64_t>();
+  const int64_t* ptile = pair_tile.data_ptr<int64_t>();
+  const int64_t* pblocks = pair_blocks.data_ptr<int64_t>();
+  const int64_t* ppos0 = pair_pos0.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  const Fold vfold = fold_for(D, bs);
+
+  // each tile's pairs, in their order in P (a counting sort: the plan may append padding pairs last)
+  std::vector<int64_t> start(N + 1, 0), order(P);
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(ptile[p] >= 0 && ptile[p] < N, "pair_tile out of range");
+    ++start[ptile[p] + 1];
+  }
+  for (int64_t n = 0; n < N; ++n) start[n + 1] += start[n];
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t p = 0; p < P; ++p) order[fill[ptile[p]]++] = p;
+  }
+  const int64_t num_blocks = k_cache.size(0);
+
+  at::parallel_for(0, N * Hkv, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qf(QG * D), acc(QG * D), m(QG), l(QG);
+    std::vector<float> kf(std::is_same_v<T, float> ? 0 : bs * D), vf(std::is_same_v<T, float> ? 0 : bs * D);
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t n = task / Hkv, h = task % Hkv;
+      // the tile's queries of this KV head, as float32 rows r = t * G + g
+      for (int64_t t = 0; t < Qt; ++t)
+        for (int64_t g = 0; g < G; ++g) {
+          const T* src = qp + (((n * Qt + t) * Hkv + h) * G + g) * D;
+          float* dst = qf.data() + (t * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = to_f(src[d]);
+        }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      int64_t last = std::numeric_limits<int64_t>::min();
+      for (int64_t t = 0; t < Qt; ++t) last = std::max(last, qpos[n * Qt + t]);
+      for (int64_t i = start[n]; i < start[n + 1]; ++i) {
+        const int64_t p = order[i];
+        for (int64_t b = 0; b < KT; ++b) {
+          const int64_t pos0 = ppos0[p] + b * bs;
+          if (pos0 > last) break;  // this block and the rest of the pair are past every query
+          const int64_t blk = pblocks[p * KT + b];
+          TORCH_CHECK(blk >= 0 && blk < num_blocks, "pair_blocks out of range");
+          const int64_t nk = std::min(bs, last - pos0 + 1);  // slots any query may see
+          const float* kb;
+          const float* vb;
+          if constexpr (std::is_same_v<T, float>) {
+            kb = kp + (blk * Hkv + h) * bs * D;
+            vb = vp + (blk * Hkv + h) * bs * D;
+          } else {
+            const T* ks = kp + (blk * Hkv + h) * bs * D;
+            const T* vs = vp + (blk * Hkv + h) * bs * D;
+            for (int64_t j = 0; j < nk * D; ++j) kf[j] = to_f(ks[j]), vf[j] = to_f(vs[j]);
+            kb = kf.data();
+            vb = vf.data();
+          }
+          for (int64_t r = 0; r < QG; ++r) {
+            const int64_t qpos_r = qpos[n * Qt + r / G];
+            const int64_t hi = std::min(nk, qpos_r - pos0 + 1);  // slots [lo, hi) visible to this row
+            const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos_r - window + 1 - pos0) : 0;
+            if (hi <= lo) continue;
+            if (vfold)
+              vfold(qf.data() + r * D, kb, vb, lo, hi, fscale, cap, m[r], l[r], acc.data() + r * D);
+            else
+              fold_any(qf.data() + r * D, kb, vb, D, lo, hi, fscale, cap, m[r], l[r], acc.data() + r * D);
+          }
+        }
+      }
+      for (int64_t t = 0; t < Qt; ++t)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = t * G + g;
+          T* dst = op + (((n * Qt + t) * Hkv + h) * G + g) * D;
+          const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;  // a row with no visible key (none planned) gives 0
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] * inv);
+        }
+    }
+  });
+}
+
+void check(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_pos,
+           const at::Tensor& pair_tile, const at::Tensor& pair_blocks, const at::Tensor& pair_pos0) {
+  TORCH_CHECK(q.dim() == 5, "q must be [N, Qt, Hkv, G, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [blocks, Hkv, bs, D], alike");
+  TORCH_CHECK(k_cache.size(1) == q.size(2) && k_cache.size(3) == q.size(4), "q and the caches disagree on Hkv or D");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(q_pos.dim() == 2 && q_pos.size(0) == q.size(0) && q_pos.size(1) == q.size(1), "q_pos must be [N, Qt]");
+  TORCH_CHECK(pair_tile.dim() == 1 && pair_blocks.dim() == 2 && pair_pos0.dim() == 1 &&
+                  pair_blocks.size(0) == pair_tile.size(0) && pair_pos0.size(0) == pair_tile.size(0),
+              "pairs must be pair_tile [P], pair_blocks [P, KT], pair_pos0 [P]");
+  for (const auto* t : {&q_pos, &pair_tile, &pair_blocks, &pair_pos0})
+    TORCH_CHECK(t->scalar_type() == at::kLong, "positions and pairs must be int64");
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& q_pos, const at::Tensor& pair_tile, const at::Tensor& pair_blocks,
+                           const at::Tensor& pair_pos0, double scale, int64_t window, double softcap) {
+  check(q, k_cache, v_cache, q_pos, pair_tile, pair_blocks, pair_pos0);
+  auto qc = q.contiguous();
+  auto kc = k_cache.contiguous(), vc = v_cache.contiguous();
+  auto pos = q_pos.contiguous(), pt = pair_tile.contiguous(), pb = pair_blocks.contiguous(),
+       p0 = pair_pos0.contiguous();
+  auto out = at::empty_like(qc);
+  switch (q.scalar_type()) {
+    case at::kFloat: attend<float>(qc, kc, vc, pos, pt, pb, p0, scale, window, softcap, out); break;
+    case at::kBFloat16: attend<c10::BFloat16>(qc, kc, vc, pos, pt, pb, p0, scale, window, softcap, out); break;
+    case at::kHalf: attend<c10::Half>(qc, kc, vc, pos, pt, pb, p0, scale, window, softcap, out); break;
+    default: TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16, got ", q.scalar_type());
+  }
+  return out;
+}
+
+// the shapes only, for tracing (torch.compile's fake tensors run the Meta kernel)
+at::Tensor paged_attention_meta(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& q_pos, const at::Tensor& pair_tile, const at::Tensor& pair_blocks,
+                                const at::Tensor& pair_pos0, double scale, int64_t window, double softcap) {
+  return at::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(batchgen_attention, m) {
+  m.def("paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_pos, Tensor pair_tile, Tensor pair_blocks, "
+        "Tensor pair_pos0, float scale, int window, float softcap) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(batchgen_attention, CPU, m) { m.impl("paged", &paged_attention); }
+TORCH_LIBRARY_IMPL(batchgen_attention, Meta, m) { m.impl("paged", &paged_attention_meta); }

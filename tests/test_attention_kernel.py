@@ -1,0 +1,158 @@
+"""batchgen's C++ paged attention (batchgen/kernels/attention.cpp) against the PyTorch path it replaces
+on CPU, on plans built by the model runner's own tile builder: decode, prefill and verify tiles,
+padding rows and pairs, sliding windows and soft caps, three dtypes. Then batch invariance, bit for
+bit: a query row's result is the same alone, among others, and on any number of threads. Then the
+engine: the same greedy tokens with either backend."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from batchgen import kernels
+from batchgen.engine.attention import CpuPagedAttention, _tile_attention, select_backend
+from batchgen.engine.attention_metadata import DECODE_KEYS, PREFILL_KEYS, PREFILL_TILE
+from batchgen.engine.model_runner import _TileBuilder
+from conftest import skip_or_fail
+
+HKV, G, D, BS, BLOCKS = 2, 3, 64, 8, 96
+
+
+@pytest.fixture(scope="module")
+def op():
+    why = kernels.load("attention")
+    if why is not None:
+        skip_or_fail(f"the attention kernel did not load: {why}")
+    return torch.ops.batchgen_attention.paged
+
+
+def plan(chunks, width, keys, seed=0):
+    """A tile group over `chunks` [(start, num_tokens)], each with shuffled blocks (the caches are only
+    read, so chunks may share blocks), and the step's token count."""
+    gen = torch.Generator().manual_seed(seed)
+    b, base = _TileBuilder(width), 0
+    for start, n in chunks:
+        nb = (start + n - 1) // BS + 1
+        table = torch.randperm(BLOCKS, generator=gen)[:nb].tolist()
+        b.add(SimpleNamespace(start=start, num_tokens=n), base, table, BS, max(1, keys // BS))
+        base += n
+    return b.group({"dtype": torch.long, "device": "cpu"}), base
+
+
+def tensors(T, dtype, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, HKV, G, D, generator=gen).to(dtype)
+    k = torch.randn(BLOCKS, HKV, BS, D, generator=gen).to(dtype)
+    v = torch.randn(BLOCKS, HKV, BS, D, generator=gen).to(dtype)
+    return q, k, v
+
+
+def both(op, g, q, k, v, window=None, softcap=None):
+    """(kernel, PyTorch path) on the group's valid rows."""
+    qt = q[g.token_idx]
+    got = op(qt, k, v, g.q_pos, g.pair_tile, g.pair_blocks, g.pair_pos0, D ** -0.5, window or 0, softcap or 0.0)
+    ref = _tile_attention(qt, g, k, v, D ** -0.5, window, softcap)
+    if g.valid is not None:
+        got, ref = got[g.valid], ref[g.valid]
+    return got, ref
+
+
+CASES = {
+    "decode": ([(c, 1) for c in (0, 7, 8, 63, 64, 200, 301)], 1, DECODE_KEYS),
+    "prefill": ([(0, 150), (0, 3), (40, 90), (0, 64)], PREFILL_TILE, PREFILL_KEYS),
+    "verify": ([(20, 4), (99, 4), (0, 4)], 4, DECODE_KEYS),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2), (torch.float16, 4e-3)])
+def test_kernel_matches_the_pytorch_path(op, case, dtype, tol):
+    chunks, width, keys = CASES[case]
+    g, T = plan(chunks, width, keys)
+    q, k, v = tensors(T, dtype)
+    got, ref = both(op, g, q, k, v)
+    assert got.dtype == dtype and got.shape == ref.shape
+    # the PyTorch path rounds scores and weights to a low-precision dtype where the kernel keeps float32
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window,softcap", [(5, None), (None, 3.0), (70, 50.0)])
+def test_kernel_window_and_softcap(op, window, softcap):
+    for chunks, width, keys in CASES.values():
+        g, T = plan(chunks, width, keys)
+        q, k, v = tensors(T, torch.float32)
+        got, ref = both(op, g, 4 * q, k, v, window, softcap)  # 4 q: scores large enough for the cap to bite
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch_or_threads(op):
+    """Batch invariance: one decode row, alone or among 63 others (longer and shorter), one or two
+    threads; one prompt chunk, alone or beside others in a step: bit-identical results."""
+    q, k, v = tensors(64, torch.float32)
+    lone, _ = plan([(137, 1)], 1, DECODE_KEYS, seed=3)
+    crowd, _ = plan([(137, 1)] + [(7 * i, 1) for i in range(1, 64)], 1, DECODE_KEYS, seed=3)
+    a = op(q[lone.token_idx], k, v, lone.q_pos, lone.pair_tile, lone.pair_blocks, lone.pair_pos0, 0.125, 0, 0.0)
+    threads = torch.get_num_threads()
+    try:
+        for n in {1, threads, 2}:
+            torch.set_num_threads(n)
+            b = op(q[crowd.token_idx], k, v, crowd.q_pos, crowd.pair_tile, crowd.pair_blocks, crowd.pair_pos0,
+                   0.125, 0, 0.0)
+            assert torch.equal(a[0], b[0])
+    finally:
+        torch.set_num_threads(threads)
+    # a prompt chunk: the same tokens, in a step alone and after another request's chunk
+    lone, T = plan([(0, 100)], PREFILL_TILE, PREFILL_KEYS, seed=5)
+    mixed, _ = plan([(0, 100), (0, 30)], PREFILL_TILE, PREFILL_KEYS, seed=5)
+    a = op(q.repeat(2, 1, 1, 1)[lone.token_idx], k, v, lone.q_pos, lone.pair_tile, lone.pair_blocks,
+           lone.pair_pos0, 0.125, 0, 0.0)
+    b = op(q.repeat(3, 1, 1, 1)[mixed.token_idx], k, v, mixed.q_pos, mixed.pair_tile, mixed.pair_blocks,
+           mixed.pair_pos0, 0.125, 0, 0.0)
+    assert torch.equal(a[lone.valid], b[:2][lone.valid])
+
+
+def test_kernel_refuses_bad_input(op):
+    g, T = plan([(10, 1)], 1, DECODE_KEYS)
+    q, k, v = tensors(T, torch.float32)
+    args = [q[g.token_idx], k, v, g.q_pos, g.pair_tile, g.pair_blocks, g.pair_pos0, 0.125, 0, 0.0]
+    bad = {
+        0: (q, "must be \\[N, Qt, Hkv, G, D\\]"),
+        1: (k.to(torch.bfloat16), "share a dtype"),
+        2: (v[:, :1], "alike"),
+        3: (g.q_pos.int(), "int64"),
+        4: (g.pair_tile + 5, "pair_tile out of range"),
+        5: (g.pair_blocks + BLOCKS, "pair_blocks out of range"),
+    }
+    for i, (value, message) in bad.items():
+        with pytest.raises(RuntimeError, match=message):
+            op(*[value if j == i else a for j, a in enumerate(args)])
+
+
+def test_select_backend_takes_the_kernel_on_cpu(op):
+    assert isinstance(select_backend("cpu"), CpuPagedAttention)
+    assert select_backend("cpu", "torch").name == "torch-paged"
+    assert select_backend("cpu", "cpu").name == "cpu-paged"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])  # gemma2: a sliding window and soft caps too
+def test_engine_gives_the_same_tokens_with_either_backend(op, tmp_path, real_model_dir, model_type):
+    """The native engine end to end (chunked prefill, preemption, mixed steps) on the kernel and on
+    the PyTorch path: the same greedy tokens."""
+    from conftest import build_tiny_model
+    from test_attention_backends import greedy
+
+    model_dir = build_tiny_model(tmp_path, real_model_dir, model_type)
+    ref, _, torch_engine = greedy(model_dir, "torch")
+    got, preempted, e = greedy(model_dir, "cpu")
+    assert torch_engine.conditions()["attention_backend"] == "torch-paged"
+    assert e.conditions()["attention_backend"] == "cpu-paged"
+    assert got == ref and len(got) == 5 and preempted > 0
+
+
+def test_without_a_compiler_auto_takes_the_pytorch_path(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernels, "_loaded", {})  # this process has not loaded it: try to build
+    monkeypatch.setenv("BATCHGEN_KERNEL_DIR", str(tmp_path / "kernels"))
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert select_backend("cpu").name == "torch-paged"
+    with pytest.raises(RuntimeError, match="attention kernel is unavailable here"):
+        select_backend("cpu", "cpu")
