@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+import re
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,10 @@ def batchgen_home() -> Path:
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 ROPE_TYPES = ("default", "linear", "llama3")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the run dtypes, and their bytes per element
+DTYPES = tuple(DTYPE_BYTES)
 TOO_LONG_POLICIES = ("error", "truncate")
+OUTPUT_FORMATS = ("parquet", "openai-batch")
 ENGINES = ("native", "vllm")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 # float32's CPU matmul (batchgen.model.linear): batchgen's gemv kernel, oneDNN's, or the faster of the two
@@ -158,38 +161,74 @@ class ModelConfig:
         )
 
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, bytes_per_element)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
+    """One token position's K and V over every layer (both engines size their KV pool by it)."""
+    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
+
+
+def setting(default: Any = MISSING, *, title: str, help: str = "", factory: Any = MISSING, choices: tuple | None = None,
+            ge: float | None = None, gt: float | None = None, le: float | None = None, pattern: str | None = None):
+    """A config field written once: its default, bounds and choices, and the title and help that the
+    CLI, the YAML keys and the Prefect form show (batchgen.settings derives its pydantic model from
+    these). The dataclass checks the same bounds (`check_fields`), so the library and the edge agree."""
+    meta = {"title": title, "description": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "pattern": pattern}
+    return field(default=default, default_factory=factory, metadata={k: v for k, v in meta.items() if v is not None})
+
+
+def check_fields(obj: Any) -> None:
+    """Every field's type, bounds, choices and pattern, from its `setting` metadata (None passes where
+    the field is optional)."""
+    for f in fields(obj):
+        md, v = f.metadata, getattr(obj, f.name)
+        if not md or (v is None and f.type.endswith("| None")):
+            continue
+        kind = f.type.split(" |")[0]
+        if kind in ("int", "float"):
+            integer = kind == "int"
+            ok = isinstance(v, int) if integer else isinstance(v, (int, float)) and math.isfinite(v)
+            what = "an integer" if integer else "a finite number"
+            bounds = [f"{op} {md[k]}" for k, op in (("ge", ">="), ("gt", ">"), ("le", "<=")) if k in md]
+            ok = ok and not isinstance(v, bool) and ("ge" not in md or v >= md["ge"]) and \
+                ("gt" not in md or v > md["gt"]) and ("le" not in md or v <= md["le"])
+            _require(ok, f"{f.name} must be {what}{' ' if bounds else ''}{' and '.join(bounds)}, got {v!r}")
+        elif kind == "bool":
+            _require(isinstance(v, bool), f"{f.name} must be true or false, got {v!r}")
+        if "choices" in md:
+            _require(v in md["choices"], f"{f.name} must be one of {md['choices']}, got {v!r}")
+        if "pattern" in md:
+            _require(isinstance(v, str) and re.fullmatch(md["pattern"], v) is not None,
+                     f"{f.name} {v!r} must match {md['pattern']}")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters. temperature 0 means greedy."""
 
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: off; 0: the chosen token's logprob; k: also the top k alternatives
+    max_tokens: int = setting(128, ge=1, title="Max new tokens per row (a row's max_tokens column wins)",
+                              help="generation stops at this many tokens unless EOS or a stop string comes first")
+    temperature: float = setting(0.0, ge=0, title="Temperature (0 = greedy)",
+                                 help="0 picks the most likely token; above 0 samples, with each row's own seed "
+                                      "(a row's temperature column wins)")
+    top_p: float = setting(1.0, gt=0, le=1, title="Top-p",
+                           help="sample from the smallest set of tokens holding this probability; 1: off")
+    top_k: int = setting(0, ge=0, title="Top-k (0 = off)", help="sample from the k most likely tokens only")
+    seed: int | None = setting(None, title="Request seed", help="None: derived from the run seed and the row's id")
+    stop: tuple[str, ...] = setting((), title="Stop strings",
+                                    help="generation ends before any of these (a row's stop column wins)")
+    ignore_eos: bool = setting(False, title="Ignore EOS",
+                               help="keep generating past end-of-sequence up to max tokens (benchmarks)")
+    logprobs: int | None = setting(None, ge=0, le=MAX_LOGPROBS, title="Logprobs",
+                                   help="0: each output token's logprob in tokens/; k: also its top k alternatives; "
+                                        "empty: none (a row's logprobs column wins)")
     structured: str | None = None  # canonical response_format spec (batchgen.data.response_format), or None
     lora: str | None = None  # the name of a LoRA adapter of the run (vLLM engine)
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
-                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _require(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-                 and math.isfinite(self.temperature) and self.temperature >= 0,
-                 f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        _require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
-                 f"top_p must be in (0, 1], got {self.top_p!r}")
-        _require(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
-        _require(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-                 f"seed must be an integer, got {self.seed!r}")
+        check_fields(self)
         _require(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
-        _require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
-                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -198,67 +237,84 @@ class SamplingParams:
 
 CPU_DEFAULT_KV_BYTES = 1 << 30  # on CPU, without a budget: 1 GiB of KV (vLLM's CPU backend takes a fixed space too)
 CUDA_DEFAULT_KV_FRACTION = 0.9  # on CUDA: this fraction of the memory free once the weights are loaded
+ON_OFF = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine packs work: batch width, KV pool, precision and device."""
 
-    max_num_seqs: int = 32
-    max_model_len: int = 2048  # positions per sequence (prompt + output)
-    kv_cache_memory_gib: float | None = None  # the KV pool's size
-    kv_cache_memory_fraction: float | None = None  # or: this fraction of the device's free memory
-    kv_cache_tokens: int | None = None  # or: a pool of this many token positions
-    block_size: int = 16  # positions per KV block
-    enable_prefix_caching: bool = True
-    max_num_batched_tokens: int = 4096  # tokens per step: decode tokens plus chunks of prompts
-    dtype: str = "auto"  # auto: the fastest for this machine and max_num_seqs (batchgen.engine.precision)
-    device: str = "cpu"
+    max_num_seqs: int = setting(32, ge=1, le=4096, title="Max sequences per decode batch",
+                                help="rows decoded together in one step: wider is more throughput, longer per-token "
+                                     "latency (the sweep deployment measures both)")
+    max_model_len: int = setting(2048, ge=2, title="Max positions per sequence",
+                                 help="prompt plus generated tokens; longer prompts follow 'Prompts longer than "
+                                      "the context'")
+    kv_cache_memory: float | None = setting(None, gt=0, title="KV-cache memory (GiB)",
+                                            help="the paged KV pool's size; default 1 GiB on CPU, 90% of the free "
+                                                 "GPU memory on CUDA")
+    kv_cache_memory_fraction: float | None = setting(None, gt=0, le=1, title="KV-cache memory (fraction)",
+                                                     help="or: this fraction of the device's free memory")
+    kv_cache_tokens: int | None = setting(None, ge=1, title="KV-cache size (token positions)",
+                                          help="or: a pool of this many token positions")
+    block_size: int = setting(16, ge=1, le=1024, title="KV block size (positions)",
+                              help="token positions per block of the paged KV pool")
+    enable_prefix_caching: bool = setting(True, title="Prefix caching",
+                                          help="reuse the KV of prompt prefixes that rows share")
+    max_num_batched_tokens: int = setting(4096, ge=1, title="Max tokens per step",
+                                          help="decode tokens plus chunks of prompts, in one forward pass")
+    dtype: str = setting("auto", choices=("auto",) + DTYPES, title="Dtype",
+                         help="auto: the weight dtype measured fastest on this machine for max_num_seqs (native "
+                              "engine; vLLM applies its own auto rule)")
+    device: str = setting("cpu", pattern=r"cpu|cuda(:\d+)?", title="Device", help="cpu, cuda or cuda:N")
     enable_kv_cache: bool = True  # False recomputes the whole history every step (the lab)
-    attention_backend: str = "auto"  # auto: FlashInfer on CUDA, the C++ kernel on CPU, where they load; else the PyTorch path
-    speculative_ngram: int = 0  # draft tokens per step from n-gram prompt lookup (0: no speculation)
-    prompt_lookup_min: int = 2  # shortest n-gram matched
-    prompt_lookup_max: int = 4  # longest n-gram matched, tried first
-    compile: str = "auto"  # torch.compile: on, off, auto (where it pays; see batchgen.engine.decode_graphs)
+    attention_backend: str = setting(
+        "auto", choices=ATTENTION_BACKENDS, title="Attention kernel (native engine)",
+        help="auto: FlashInfer's paged kernel on CUDA where installed, batchgen's C++ paged kernel on CPU where it "
+             "builds, else the PyTorch path")
+    speculative_ngram: int = setting(0, ge=0, le=16, title="Speculative tokens (n-gram)",
+                                     help="draft tokens per step copied from the row's own context (prompt lookup), "
+                                          "verified in one pass; 0: off")
+    prompt_lookup_min: int = setting(2, ge=1, title="Shortest n-gram matched")
+    prompt_lookup_max: int = setting(4, ge=1, title="Longest n-gram matched, tried first")
+    compile: str = setting(
+        "auto", choices=ON_OFF, title="Compile the step (native engine)",
+        help="torch.compile (Inductor): on CPU the whole decode step, once per (rows, pairs) bucket; on CUDA the "
+             "step's elementwise kernels. auto: on CUDA; on CPU a bucket compiles once its eager steps have cost "
+             "what a compile costs on this machine (long jobs compile, short ones do not)")
     pack_weights: bool = True  # weights in the kernel's fastest layout (False: the checkpoint's, for A/B)
-    quantization: str = "none"  # weight format (QUANTIZATIONS): int4 (bf16 activations), gguf (the GGUF's blocks)
-    # float32's CPU matmul: auto (batchgen's gemv kernel, built on this machine, where it builds; else
-    # oneDNN), gemv, or onednn (FP32_KERNELS)
-    fp32_kernel: str = "auto"
-    sampler: str = "auto"  # auto (the fused C++ sampler on a CPU that builds it, else torch), fused or torch
-    # decode-only steps padded to static (rows, pairs) buckets and replayed as CUDA graphs; auto: on CUDA
-    # with the PyTorch paged attention; on CPU, `on` runs the same static buckets eagerly (no graphs there)
-    cuda_graphs: str = "auto"
-    seed: int = 0  # run-level seed; requests without their own seed derive one from it and their id
+    quantization: str = setting(
+        "none", choices=QUANTIZATIONS, title="Weight quantization (native engine)",
+        help="int4: the layers' weights as 4-bit codes with a scale and zero per 32 (PyTorch's int4 CPU kernel, "
+             "bf16 activations): faster at small batches, slower at wide ones; gguf: the model's GGUF blocks as "
+             "they ship (Q4_1 layers and Q8_0 head for SmolLM2), multiplied exactly by batchgen's low-bit kernel "
+             "with float32 activations (CPU)")
+    fp32_kernel: str = setting(
+        "auto", choices=FP32_KERNELS, title="float32 CPU matmul (native engine)",
+        help="gemv: batchgen's kernel, built once per machine for its vector instructions (needs a C++ compiler); "
+             "onednn: oneDNN's prepacked kernel; auto: the faster of the two at the batch band nearest "
+             "max_num_seqs, measured once per machine (oneDNN's where gemv does not build)")
+    sampler: str = setting(
+        "auto", choices=SAMPLER_KERNELS, title="Sampler (native engine)",
+        help="fused: temperature, top-k and top-p in one C++ call per step, built once per machine (needs a C++ "
+             "compiler; CPU); torch: the same rule as torch ops; auto: fused where it builds, else torch")
+    cuda_graphs: str = setting(
+        "auto", choices=ON_OFF, title="CUDA graphs (native engine)",
+        help="decode steps padded to static buckets and replayed as CUDA graphs; auto: on CUDA with the PyTorch "
+             "paged attention (on CPU, on runs the same buckets without graphs)")
+    seed: int = setting(0, title="Run seed", help="rows without a seed column derive theirs from it and their id")
 
     def __post_init__(self) -> None:
-        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        _require(self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
-        _require(self.kv_cache_tokens is None or self.kv_cache_tokens >= 1,
-                 f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
-        _require(self.kv_cache_memory_gib is None or self.kv_cache_memory_gib > 0,
-                 f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
-        _require(self.kv_cache_memory_fraction is None or 0 < self.kv_cache_memory_fraction <= 1,
-                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
-        _require(sum(x is not None for x in (self.kv_cache_memory_gib, self.kv_cache_memory_fraction,
+        check_fields(self)
+        _require(sum(x is not None for x in (self.kv_cache_memory, self.kv_cache_memory_fraction,
                                              self.kv_cache_tokens)) <= 1,
                  "give one KV pool size: kv_cache_memory, kv_cache_memory_fraction or kv_cache_tokens")
-        _require(1 <= self.block_size <= 1024, f"block_size must be in [1, 1024], got {self.block_size}")
         _require(self.max_num_batched_tokens >= self.max_num_seqs,
                  f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                  f"({self.max_num_seqs}): every running sequence needs a token of each step's budget")
-        _require(self.dtype in DTYPES + ("auto",), f"dtype must be auto or one of {DTYPES}, got {self.dtype!r}")
-        _require(self.speculative_ngram >= 0, f"speculative_ngram must be >= 0, got {self.speculative_ngram}")
-        _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
-                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
+        _require(self.prompt_lookup_min <= self.prompt_lookup_max,
+                 f"need prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
                  f"{self.prompt_lookup_max}")
-        _require(self.compile in ("auto", "on", "off"), f"compile must be auto, on or off, got {self.compile!r}")
-        _require(self.quantization in QUANTIZATIONS,
-                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        _require(self.fp32_kernel in FP32_KERNELS,
-                 f"fp32_kernel must be one of {FP32_KERNELS}, got {self.fp32_kernel!r}")
-        _require(self.sampler in SAMPLER_KERNELS, f"sampler must be one of {SAMPLER_KERNELS}, got {self.sampler!r}")
-        _require(self.cuda_graphs in ("auto", "on", "off"), f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
         _require(self.quantization != "gguf" or self.dtype in ("auto", "float32"),
                  f"quantization gguf multiplies its blocks with float32 activations: use dtype auto or float32, "
                  f"not {self.dtype!r}")
@@ -266,16 +322,15 @@ class EngineConfig:
                  f"quantization int4 runs its activations in bfloat16 (PyTorch's int4 CPU kernel; with float32 "
                  f"activations it takes a reference path measured 15x slower): use dtype auto or bfloat16, "
                  f"not {self.dtype!r}")
-        _require(self.attention_backend in ATTENTION_BACKENDS,
-                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 
     def kv_pool_bytes(self, bytes_per_token: int, free_bytes: int) -> int:
-        """The KV pool's size in bytes; `free_bytes`: the device's free memory once the weights are in
-        (used only for a fraction; without any budget, CPU takes a fixed 1 GiB and CUDA 90% of it)."""
+        """The KV pool's size in bytes, for either engine; `free_bytes`: the device's free memory once
+        the weights are in (used only for a fraction; without any budget, CPU takes a fixed 1 GiB and
+        CUDA 90% of it)."""
         if self.kv_cache_tokens is not None:
             return self.kv_cache_tokens * bytes_per_token
-        if self.kv_cache_memory_gib is not None:
-            return int(self.kv_cache_memory_gib * (1 << 30))
+        if self.kv_cache_memory is not None:
+            return int(self.kv_cache_memory * (1 << 30))
         if self.kv_cache_memory_fraction is None and not self.device.startswith("cuda"):
             return CPU_DEFAULT_KV_BYTES
         return int(free_bytes * (self.kv_cache_memory_fraction or CUDA_DEFAULT_KV_FRACTION))
@@ -287,31 +342,36 @@ class RunConfig:
 
     inputs: tuple[str, ...]
     output_dir: str
-    model: str = "smollm2-135m"
-    engine: str = "native"
-    run_id: str | None = None
-    shard_size: int = 1000
-    too_long: str = "error"  # what to do with a prompt longer than the context
+    model: str = setting("smollm2-135m", title="Model", help="'smollm2-135m' or a local HF-format directory")
+    engine: str = setting("native", choices=ENGINES, title="Engine",
+                          help="native: batchgen's own paged engine (CPU or CUDA); vllm: vLLM's engine (the cpu or "
+                               "gpu extra)")
+    run_id: str | None = setting(None, pattern=r"[A-Za-z0-9_-][A-Za-z0-9._-]*", title="Run id",
+                                 help="letters, digits, '.', '_', '-' (not starting with '.'); reuse an id to resume; "
+                                      "a new one if empty")
+    shard_size: int = setting(1000, ge=1, title="Rows per shard",
+                              help="the unit of commit and resume: a crash redoes at most one shard per worker")
+    too_long: str = setting("error", choices=TOO_LONG_POLICIES, title="Prompts longer than the context",
+                            help="error: the row goes to errors/; truncate: keep the prompt's end that fits")
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     engine_options: tuple[tuple[str, Any], ...] = ()  # backend-specific knobs (vllm), as sorted pairs
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()  # template variables for every row, as sorted pairs
     lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, local adapter dir) a row's lora column picks from
     keep_columns: tuple[str, ...] = ()  # input columns carried into requests/ and errors/
-    n: int = 1  # samples per prompt (a row's n column wins)
-    output_format: str = "parquet"  # or "openai-batch": also the Batch API's output and error JSONL files
-    progress: bool = True
+    n: int = setting(1, ge=1, le=1024, title="Samples per prompt",
+                     help="each sample is its own row in requests/ with sample_index (a row's n column wins)")
+    output_format: str = setting("parquet", choices=OUTPUT_FORMATS, title="Output format",
+                                 help="openai-batch: also batch_output.jsonl and batch_errors.jsonl, as the OpenAI "
+                                      "Batch API writes them (Parquet stays the record)")
+    progress: bool = setting(True, title="Progress bar", help="a tqdm bar on the worker's stderr")
 
     def __post_init__(self) -> None:
         _require(len(self.inputs) > 0, "at least one input path is required")
-        _require(self.output_format in ("parquet", "openai-batch"),
-                 f"output_format must be parquet or openai-batch, got {self.output_format!r}")
-        _require(self.engine in ENGINES, f"engine must be one of {ENGINES}, got {self.engine!r}")
-        _require(self.shard_size >= 1, f"shard_size must be >= 1, got {self.shard_size}")
         _require(self.run_id is None or is_plain_name(self.run_id),
                  f"run_id {self.run_id!r} must be a plain directory name: no '/', not '.' or '..', "
                  f"not starting with '.' (the run must stay inside the output root)")
-        _require(self.too_long in TOO_LONG_POLICIES, f"too_long must be one of {TOO_LONG_POLICIES}, got {self.too_long!r}")
+        check_fields(self)
 
 
 def derive_seed(run_seed: int, request_id: str) -> int:

@@ -42,6 +42,13 @@ class FinishedRequest:
     num_preemptions: int | None = None
 
 
+def step_bytes_read(ran: bool, num_tokens: int, sum_context_len: int, weight_bytes: int, row_embed_bytes: int,
+                    kv_bytes_per_token: int) -> int:
+    """METRICS' estimate of a step's bytes from memory, for either engine: the weights once if the step
+    ran, each computed token's embedding row, and the KV of every context it attended over."""
+    return (weight_bytes if ran else 0) + num_tokens * row_embed_bytes + kv_bytes_per_token * sum_context_len
+
+
 @dataclass
 class StepResult:
     step_id: int

@@ -16,9 +16,10 @@ from typing import Any, Callable
 import torch
 
 import batchgen
-from batchgen.config import EngineConfig, SamplingParams, batchgen_home, derive_seed
+from batchgen.config import DTYPE_BYTES, EngineConfig, SamplingParams, batchgen_home, derive_seed
 from batchgen.engine.attention import TorchPagedAttention, select_backend
-from batchgen.engine.base import Engine, FinishedRequest, RequestRejected, StepResult, monotonic_clock
+from batchgen.engine.base import (Engine, FinishedRequest, RequestRejected, StepResult, monotonic_clock,
+                                  step_bytes_read)
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.decode_graphs import DecodeGraphs
 from batchgen.engine.kv_cache import PagedKVCache, free_memory_bytes
@@ -72,7 +73,7 @@ class NativeEngine(Engine):
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(model_dir)
         self.eos_token_ids = set(c.eos_token_ids)
         self.clock = clock or monotonic_clock()
-        bpe = torch.finfo(DTYPES[self.dtype]).bits // 8
+        bpe = DTYPE_BYTES[self.dtype]
         self.kv_bytes_per_token = c.kv_bytes_per_token(bpe)
         self.row_embed_bytes = c.hidden_size * bpe
         bs = config.block_size
@@ -279,8 +280,8 @@ class NativeEngine(Engine):
         res.sum_context_len = sum_ctx
         res.kv_blocks_used, res.kv_blocks_total = self.blocks.num_used_blocks, self.blocks.num_blocks
         num_tokens = sum(c.num_tokens for c in sched.chunks)
-        res.bytes_read = ((self.model.weight_bytes if sched.chunks else 0) + num_tokens * self.row_embed_bytes
-                          + self.kv_bytes_per_token * sum_ctx)
+        res.bytes_read = step_bytes_read(bool(sched.chunks), num_tokens, sum_ctx, self.model.weight_bytes,
+                                         self.row_embed_bytes, self.kv_bytes_per_token)
         return res
 
     def _emit(self, res: StepResult, r: Request, tok: int, lp, with_logprobs: bool, end_t: float) -> bool:

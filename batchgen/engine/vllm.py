@@ -8,14 +8,21 @@ vllm is imported only when this engine is created (`import batchgen` stays light
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
+import os
+import re
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import batchgen
-from batchgen.config import EngineConfig, SamplingParams
-from batchgen.engine.base import Engine, EngineDead, FinishedRequest, RequestRejected, StepResult, monotonic_clock
+from batchgen.config import DTYPE_BYTES, EngineConfig, SamplingParams, kv_bytes_per_token
+from batchgen.engine.base import (Engine, EngineDead, FinishedRequest, RequestRejected, StepResult, monotonic_clock,
+                                  step_bytes_read)
 from batchgen.engine.kv_cache import free_memory_bytes
 from batchgen.model.loader import count_decode_weight_elements, read_hf_shape
 from batchgen.model.tokenizer import Tokenizer
@@ -45,12 +52,53 @@ def check_vllm_options(options: dict[str, Any]) -> None:
                             + (f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""))
     if problems:
         raise ValueError("vllm options: " + "; ".join(problems))
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 IDLE_TIMEOUT_S = 600.0  # no output at all for this long, with requests in flight, means a wedged engine
 
 
 class EngineDied(EngineDead):
     """The vLLM engine can no longer make progress."""
+
+
+@contextlib.contextmanager
+def stderr_tail(keep: int = 400):
+    """Copy file descriptor 2 through a pipe, keeping its last `keep` lines, while vLLM starts: its
+    engine-core processes (which inherit the descriptor) print their error there, and the caller only
+    gets "Engine core initialization failed. See root cause above." Everything still reaches the
+    terminal; the processes keep writing through the pipe, and a daemon thread keeps copying it."""
+    tail: collections.deque[str] = collections.deque(maxlen=keep)
+    sys.stderr.flush()
+    read_end, write_end = os.pipe()
+    terminal = os.dup(2)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def pump() -> None:
+        with os.fdopen(read_end, "rb") as src:
+            for line in src:
+                os.write(terminal, line)
+                tail.append(line.decode(errors="replace").rstrip())
+        os.close(terminal)
+
+    threading.Thread(target=pump, name="batchgen-vllm-stderr", daemon=True).start()
+    try:
+        yield tail
+    finally:
+        sys.stderr.flush()
+        os.dup2(terminal, 2)  # this process writes to the terminal again; the pipe closes with the children
+        time.sleep(0.2)  # let the pump take what the failing processes wrote last
+
+
+CAUSE = re.compile(r"\b([A-Za-z_.]*(?:Error|Exception|Exit)): (.+)")
+
+
+def root_cause(lines, error: BaseException) -> str:
+    """The last "SomeError: message" the engine's processes printed that is not the parent's own
+    summary, else the error itself."""
+    for line in reversed(list(lines)):
+        m = CAUSE.search(line)
+        if m and "initialization failed" not in m.group(2) and "See root cause" not in m.group(2):
+            return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2).strip()}"
+    return f"{type(error).__name__}: {error}"
 
 
 class _StepStats:
@@ -159,11 +207,11 @@ class VllmEngine(Engine):
         on_cpu = config.device == "cpu"
         options.setdefault("enforce_eager", on_cpu)  # torch.compile costs minutes of start-up on CPU
         options.setdefault("max_num_batched_tokens", max(config.max_num_batched_tokens, self.max_model_len))
-        bpe = BYTES.get(config.dtype) or (4 if shape.get("torch_dtype") == "float32" else 2)  # auto: vLLM's rule
-        self.kv_bytes_per_token = 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * bpe
+        bpe = DTYPE_BYTES.get(config.dtype) or (4 if shape.get("torch_dtype") == "float32" else 2)  # auto: vLLM's rule
+        self.kv_bytes_per_token = kv_bytes_per_token(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], bpe)
         # the same KV memory as the native engine: an explicit budget, or (CPU) the same fixed default;
         # on CUDA without a budget, vLLM's own gpu_memory_utilization sizes it
-        explicit = config.kv_cache_memory_gib is not None or config.kv_cache_tokens is not None
+        explicit = config.kv_cache_memory is not None or config.kv_cache_tokens is not None
         if explicit or on_cpu:
             free = free_memory_bytes(config.device) if on_cpu else 0
             options.setdefault("kv_cache_memory_bytes", config.kv_pool_bytes(self.kv_bytes_per_token, free))
@@ -195,7 +243,11 @@ class VllmEngine(Engine):
         args = EngineArgs(model=str(model_dir), tokenizer=str(model_dir), dtype=config.dtype,
                           max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, seed=config.seed,
                           disable_log_stats=False, **options)
-        self.engine = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._stats)])
+        with stderr_tail() as tail:  # the engine core's processes report why they fail there, not to us
+            try:
+                self.engine = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._stats)])
+            except Exception as e:
+                raise EngineDied(f"vLLM's engine did not start: {root_cause(tail, e)}") from e
         resolved = getattr(getattr(self.engine, "model_config", None), "dtype", None)
         self._dtype = str(resolved).removeprefix("torch.") if resolved is not None else config.dtype
         self._closing = False
@@ -254,7 +306,6 @@ class VllmEngine(Engine):
     def _watch_engine_core(self) -> None:
         """If the engine-core process exits, wake a step() blocked on its output queue with an error.
         (vLLM's own monitor can stall in its cleanup, leaving the caller blocked forever.)"""
-        import threading
         from multiprocessing.connection import wait
 
         core = self.engine.engine_core
@@ -339,8 +390,8 @@ class VllmEngine(Engine):
         res.num_cached_tokens = stats.prefix_hits - before[2]
         res.num_draft_tokens = stats.num_draft_tokens - before[3]
         res.num_accepted_tokens = stats.num_accepted_tokens - before[4]
-        res.bytes_read = (self.weight_bytes if num_tokens or res.num_prefill_tokens else 0) + \
-            num_tokens * self.row_embed_bytes + self.kv_bytes_per_token * res.sum_context_len
+        res.bytes_read = step_bytes_read(bool(num_tokens or res.num_prefill_tokens), num_tokens, res.sum_context_len,
+                                         self.weight_bytes, self.row_embed_bytes, self.kv_bytes_per_token)
         return res
 
     def _engine_step(self):

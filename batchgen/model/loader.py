@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from batchgen.config import DTYPES as RUN_DTYPES
 from batchgen.config import QUANTIZATIONS, ConfigError, ModelConfig
 from batchgen.model import ggml
 from batchgen.model.ggml import BLOCK_BYTES, BlockLinear, GGUFBlocks, GGUFError
@@ -15,7 +16,7 @@ from batchgen.model.linear import Int4Linear, Linear
 from batchgen.model.linear import fp32_kernel as fp32_kernel_for
 from batchgen.model.llama import Layer, LlamaModel
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in RUN_DTYPES}  # batchgen.config's names, as torch dtypes
 
 
 class ModelLoadError(RuntimeError):
