@@ -81,6 +81,15 @@ def engine_tokens(model_dir, prompts: list[str], sampling, **config) -> tuple[di
     return out, e.conditions()
 
 
+def pytest_runtest_setup(item):
+    """`@pytest.mark.needs(why, flag)`: the part a test needs is missing when `why` is a reason (not
+    None); the test then skips on a laptop and fails where `flag` is set (CI), see skip_or_fail."""
+    for mark in item.iter_markers("needs"):
+        why, flag = mark.args
+        if why is not None:
+            skip_or_fail(why, flag)
+
+
 def skip_or_fail(reason: str, flag: str = "BATCHGEN_REQUIRE_KERNELS") -> None:
     """A part a test needs is missing here: on a developer's machine the test skips and says why; CI
     (.ci/run) sets the flag, which turns that skip into a failure, so a broken part cannot hide."""

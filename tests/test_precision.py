@@ -7,6 +7,7 @@ import pytest
 from batchgen.config import EngineConfig, SamplingParams
 from batchgen.engine import precision
 from batchgen.engine.native import NativeEngine
+from conftest import skip_or_fail
 
 PROMPTS = [f"Write a short story about a cat number {i}." for i in range(4)] + [
     "List three facts about the moon.", "Explain what a hash table is.", "Translate 'good morning' to French.",
@@ -113,7 +114,7 @@ def test_compiled_step_gives_the_eager_tokens(real_model_dir):
 
 
 def test_gpu_check_runs_its_code_path_on_cpu_with_a_small_shape(tmp_path, monkeypatch):
-    """bench/gpu.sh's module, at a small shape on CPU: a random model built in place, every batch
+    """The GPU check (batchgen.benchmarks.gpu), at a small shape on CPU: a random model built in place, every batch
     measured with its conditions (the figures themselves are never asserted)."""
     monkeypatch.setenv("BATCHGEN_HOME", str(tmp_path))
     from batchgen.benchmarks import gpu
@@ -165,7 +166,7 @@ def test_the_engine_runs_float32_on_the_kernel_auto_takes_for_its_band(tmp_path,
 
     width, _ = fp32_kernel("auto", "cpu")
     if width is None:
-        pytest.skip("no gemv kernel here (the fallback is tested in test_gemv)")
+        skip_or_fail("no gemv kernel here (the fallback is tested in test_gemv)")
     from batchgen.model.loader import read_model_config
 
     (tmp_path / "probe").mkdir()

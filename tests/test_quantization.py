@@ -9,7 +9,8 @@ import torch
 from batchgen.config import EngineConfig, SamplingParams
 from batchgen.model.linear import INT4_GROUP, Int4Linear, can_int4, dequantize_int4, quantize_int4
 
-pytestmark = pytest.mark.skipif(not can_int4("cpu"), reason="this PyTorch has no int4 CPU kernel")
+pytestmark = pytest.mark.needs(None if can_int4("cpu") else "this PyTorch has no int4 CPU kernel",
+                               "BATCHGEN_REQUIRE_INT4")
 
 
 def test_quantizer_round_trip_bounds_on_random_weights():
@@ -63,7 +64,7 @@ def test_engine_int4_on_the_real_model(real_model_dir):
     """Greedy tokens with int4 weights against fp32: the weights are the shipped ones, the difference is
     the bf16 activations, so agreement sits where plain bf16's does (stated floor: half the tokens before
     each row's first divergence, over 6 prompts x 24 tokens; measured 0.64 on the demo set, bf16 0.61)."""
-    from batchgen.bench import agreement
+    from batchgen.benchmarks.bench import agreement
     from batchgen.engine.native import NativeEngine
 
     prompts = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",

@@ -9,7 +9,7 @@ from batchgen import kernels
 from batchgen.engine.sampler import Sampler, fused_kernel, hash_uniform
 
 FUSED_WHY = fused_kernel("auto", "cpu")  # None: the fused kernel built here
-needs_fused = pytest.mark.skipif(FUSED_WHY is not None, reason=f"no fused kernel: {FUSED_WHY}")
+needs_fused = pytest.mark.needs(f"no fused kernel: {FUSED_WHY}" if FUSED_WHY else None, "BATCHGEN_REQUIRE_KERNELS")
 
 
 @pytest.fixture(params=[pytest.param("fused", marks=needs_fused), "torch"])

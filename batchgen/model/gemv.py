@@ -8,19 +8,17 @@ import torch
 
 from batchgen import kernels
 
-_faked = False  # the op's fake (shape-only) kernel, for tracing, is registered once per process
-
 
 def load() -> int | str:
     """The kernel's column-block width (an int) once its library is loaded in this process; or, as
     a str, why it cannot be used here."""
-    global _faked
     why = kernels.load("gemv")
     if why is not None:
         return why
-    if not _faked:
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("batchgen_gemv::gemv", "Meta"):
+        # a shape-only kernel, so that a compiled step traces through the op (once per process: the
+        # dispatcher remembers it)
         torch.library.register_fake("batchgen_gemv::gemv")(lambda x, w, n: x.new_empty((*x.shape[:-1], n)))
-        _faked = True
     return int(torch.ops.batchgen_gemv.block_width())
 
 
