@@ -60,7 +60,7 @@ def cmd_bench(args) -> int:
     import time
     from pathlib import Path
 
-    from batchgen.bench import format_bench, run_bench, write_parquet
+    from batchgen.benchmarks.bench import format_bench, run_bench, write_parquet
     from batchgen.model.prepare import resolve_model
 
     def csv(text: str) -> list[str]:
@@ -76,7 +76,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_lab(args) -> int:
-    from batchgen.lab import format_lab, run_decode_lab
+    from batchgen.benchmarks.lab import format_lab, run_decode_lab
     from batchgen.model.prepare import resolve_model
 
     results = run_decode_lab(resolve_model(args.model), args.prompt_tokens, args.new_tokens, args.device)

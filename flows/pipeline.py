@@ -37,11 +37,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--config", required=True)
     ap.add_argument("--run-id")
+    ap.add_argument("--ray-address", help="shard tasks on this Ray cluster ('auto', 'ray://head:10001')")
+    ap.add_argument("--gpus-per-shard", type=float, default=0.0, help="GPUs Ray gives each shard task")
     args = ap.parse_args(argv)
     values = load_yaml(args.config)
     if args.run_id:
         values["run_id"] = args.run_id
-    result = pipeline(GenerateSettings(**values))
+    result = pipeline(GenerateSettings(**values), FanOut(ray_address=args.ray_address, gpus_per_shard=args.gpus_per_shard))
     con = connect([result["run_dir"]])
     print(headline_text({q: run_query(con, q) for q in HEADLINE_QUERIES}))
     print(f"\nrun: {result['run_dir']} ({result['rows']} rows: {result['ok']} outputs, {result['errors']} errors)")

@@ -4,7 +4,7 @@ Parquet of results. (Speeds are printed, never asserted.)"""
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.bench import format_bench, run_bench, write_parquet
+from batchgen.benchmarks.bench import format_bench, run_bench, write_parquet
 from batchgen.model.linear import fp32_kernel
 
 pytestmark = pytest.mark.slow
@@ -83,7 +83,7 @@ def test_llama_cpp_runs_the_shipped_gguf_as_a_peer(real_model_dir):
     why = peers.llama_cpp_available()
     if why:
         pytest.skip(f"{why}; pip install '.[peers]' to run it")
-    from batchgen.bench import agreement, held_prompts
+    from batchgen.benchmarks.bench import agreement, held_prompts
     from batchgen.config import SamplingParams
     from batchgen.model.tokenizer import Tokenizer
 

@@ -1,7 +1,7 @@
 """The cache lab counts what the engine actually computed, and both modes agree on the tokens."""
 
 from batchgen.cli import main
-from batchgen.lab import expected_positions, run_decode_lab
+from batchgen.benchmarks.lab import expected_positions, run_decode_lab
 
 
 def test_formulas():

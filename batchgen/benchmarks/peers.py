@@ -1,4 +1,4 @@
-"""The bench's outside peers, each run as its own users run it (batchgen.bench measures them beside the
+"""The bench's outside peers, each run as its own users run it (batchgen.benchmarks.bench measures them beside the
 native engine, in the same run):
 
 - llama.cpp through llama-cpp-python, on the very GGUF the default model ships as: one KV stream per

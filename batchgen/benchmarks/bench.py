@@ -40,7 +40,7 @@ from typing import Callable
 
 from batchgen.config import EngineConfig, SamplingParams
 
-HELD_PROMPTS = Path(__file__).parent / "benchmarks" / "data" / "held_prompts.parquet"
+HELD_PROMPTS = Path(__file__).parent / "data" / "held_prompts.parquet"
 MIN_PROMPTS = 4  # batch 1 runs four prompts one after another
 MAX_PROMPT_TOKENS = 256  # longer held prompts are left out: one 1350-token prompt would make HF pad its
 # whole batch to 1350 (its real cost, but it would measure padding, and take an hour at batch 256)

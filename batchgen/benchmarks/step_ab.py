@@ -1,0 +1,70 @@
+"""An A/B of the native engine's attention backend and Inductor's C++ wrapper, in one process: each
+variant's engine is built (and its step compiled) first, then the variants are measured in turn,
+`--repeats` times, and the median kept, so a shared machine's drift falls on all of them.
+
+    python -m batchgen.benchmarks.step_ab --batch 1 --quantization gguf --variants torch/0,cpu/0,cpu/1
+    python -m batchgen.benchmarks.step_ab --batch 64 --dtype bfloat16
+
+A variant is BACKEND/CPP_WRAPPER: the attention backend (torch, cpu) and 1 or 0 for Inductor's
+cpp_wrapper on the compiled step. Prints tok/s with prefill, decode-only and prefill tok/s, and
+whether each variant's greedy tokens are the first variant's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    from batchgen.benchmarks import bench
+    from batchgen.config import EngineConfig, SamplingParams
+    from batchgen.engine import create_engine, decode_graphs
+    from batchgen.metrics.conditions import cpu_features, cpu_model
+    from batchgen.model.prepare import resolve_model
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default="none")
+    p.add_argument("--variants", default="torch/0,cpu/0,cpu/1")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--model", default="smollm2-135m")
+    a = p.parse_args(argv)
+    model = resolve_model(a.model)
+    prompts = bench.held_prompts(a.batch)
+    print(f"step A/B, {time.strftime('%Y-%m-%d %H:%M')}: {cpu_model()} ({cpu_features()}); batch {a.batch}, "
+          f"dtype {a.dtype}, quantization {a.quantization}, {a.new_tokens} new tokens, greedy, EOS ignored, "
+          f"median of {a.repeats}")
+    engines, ids = {}, None
+    for variant in a.variants.split(","):
+        backend, wrapper = variant.split("/")
+        decode_graphs.STEP_OPTIONS["cpp_wrapper"] = wrapper == "1"  # read when a bucket compiles
+        cfg = EngineConfig(max_num_seqs=a.batch, max_model_len=2048, dtype=a.dtype, quantization=a.quantization,
+                           compile="on", kv_cache_tokens=a.batch * 600 + 2048, enable_prefix_caching=False,
+                           attention_backend=backend)
+        e = create_engine("native", model, cfg)
+        ids = [e.tokenizer.encode(x) for x in prompts]
+        t0 = time.perf_counter()
+        bench.run_engine(e, ids, a.batch, SamplingParams(max_tokens=16, ignore_eos=True), None, "warm")
+        print(f"  {variant}: warm-up (compiles) {time.perf_counter() - t0:.1f} s", flush=True)
+        engines[variant] = e
+    runs: dict[str, list] = {v: [] for v in engines}
+    outputs = {}
+    for _ in range(a.repeats):
+        for variant, e in engines.items():
+            m = bench.run_engine(e, ids, a.batch, SamplingParams(max_tokens=a.new_tokens, ignore_eos=True), None, "m")
+            runs[variant].append((m["tokens"] / m["seconds"], m["decode_tok_per_s"], m["prefill_tok_per_s"]))
+            outputs[variant] = m["outputs"]
+    first = next(iter(outputs.values()))
+    print(f"{'variant':<10} {'tok/s':>8} {'dec tok/s':>10} {'pre tok/s':>10}  same tokens as the first")
+    for variant, rows in runs.items():
+        med = [statistics.median(r[i] for r in rows) for i in range(3)]
+        print(f"{variant:<10} {med[0]:>8.1f} {med[1]:>10.1f} {med[2]:>10.1f}  {outputs[variant] == first}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
