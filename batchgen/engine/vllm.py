@@ -60,45 +60,50 @@ class EngineDied(EngineDead):
 
 
 @contextlib.contextmanager
-def stderr_tail(keep: int = 400):
-    """Copy file descriptor 2 through a pipe, keeping its last `keep` lines, while vLLM starts: its
-    engine-core processes (which inherit the descriptor) print their error there, and the caller only
-    gets "Engine core initialization failed. See root cause above." Everything still reaches the
-    terminal; the processes keep writing through the pipe, and a daemon thread keeps copying it."""
-    tail: collections.deque[str] = collections.deque(maxlen=keep)
-    sys.stderr.flush()
-    read_end, write_end = os.pipe()
-    terminal = os.dup(2)
-    os.dup2(write_end, 2)
-    os.close(write_end)
+def child_output(tail: collections.deque, fds: tuple[int, ...] = (1, 2)):
+    """While vLLM starts its engine-core and worker processes, their stdout and stderr (inherited file
+    descriptors) become pipes that a daemon thread copies to the terminal, keeping the last lines in
+    `tail`. They print the real error there (vLLM logs to stdout); the parent only gets "EngineCore
+    encountered an issue. See stack trace (above) for the root cause." This process's own descriptors
+    are restored on exit; the children keep writing through the pipes for their lifetime."""
+    saved = []
+    for fd in fds:
+        (sys.stdout if fd == 1 else sys.stderr).flush()
+        read_end, write_end = os.pipe()
+        terminal = os.dup(fd)
+        os.dup2(write_end, fd)
+        os.close(write_end)
+        saved.append((fd, terminal))
 
-    def pump() -> None:
-        with os.fdopen(read_end, "rb") as src:
-            for line in src:
-                os.write(terminal, line)
-                tail.append(line.decode(errors="replace").rstrip())
-        os.close(terminal)
+        def pump(read_end=read_end, terminal=terminal) -> None:
+            with os.fdopen(read_end, "rb") as src:
+                for line in src:
+                    os.write(terminal, line)
+                    tail.append(line.decode(errors="replace").rstrip())
+            os.close(terminal)
 
-    threading.Thread(target=pump, name="batchgen-vllm-stderr", daemon=True).start()
+        threading.Thread(target=pump, name=f"batchgen-vllm-fd{fd}", daemon=True).start()
     try:
         yield tail
     finally:
-        sys.stderr.flush()
-        os.dup2(terminal, 2)  # this process writes to the terminal again; the pipe closes with the children
-        time.sleep(0.2)  # let the pump take what the failing processes wrote last
+        for fd, terminal in saved:
+            (sys.stdout if fd == 1 else sys.stderr).flush()
+            os.dup2(terminal, fd)  # this process writes to the terminal again
 
 
+POINTERS = ("root cause", "stack trace", "initialization failed", "encountered an issue")
 CAUSE = re.compile(r"\b([A-Za-z_.]*(?:Error|Exception|Exit)): (.+)")
 
 
-def root_cause(lines, error: BaseException) -> str:
-    """The last "SomeError: message" the engine's processes printed that is not the parent's own
-    summary, else the error itself."""
+def root_cause(lines) -> str | None:
+    """The last "SomeError: message" the engine's processes printed that is not one of vLLM's pointers
+    to it ("see the stack trace above"), or None."""
+    time.sleep(0.2)  # the pumps copy what the failing processes wrote last
     for line in reversed(list(lines)):
         m = CAUSE.search(line)
-        if m and "initialization failed" not in m.group(2) and "See root cause" not in m.group(2):
+        if m and not any(p in m.group(2).lower() for p in POINTERS):
             return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2).strip()}"
-    return f"{type(error).__name__}: {error}"
+    return None
 
 
 class _StepStats:
@@ -243,11 +248,12 @@ class VllmEngine(Engine):
         args = EngineArgs(model=str(model_dir), tokenizer=str(model_dir), dtype=config.dtype,
                           max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, seed=config.seed,
                           disable_log_stats=False, **options)
-        with stderr_tail() as tail:  # the engine core's processes report why they fail there, not to us
+        self._child_output: collections.deque[str] = collections.deque(maxlen=400)
+        with child_output(self._child_output):  # the engine's processes report why they fail there, not to us
             try:
                 self.engine = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._stats)])
             except Exception as e:
-                raise EngineDied(f"vLLM's engine did not start: {root_cause(tail, e)}") from e
+                raise self._died("vLLM's engine did not start", f"{type(e).__name__}: {e}") from e
         resolved = getattr(getattr(self.engine, "model_config", None), "dtype", None)
         self._dtype = str(resolved).removeprefix("torch.") if resolved is not None else config.dtype
         self._closing = False
@@ -281,7 +287,7 @@ class VllmEngine(Engine):
                                     logprobs=sampling.logprobs, structured_outputs=structured,
                                     output_kind=RequestOutputKind.DELTA, skip_special_tokens=True)
         if self._core_dead():  # vLLM would block forever on a call to a dead core
-            raise EngineDied("vLLM's engine core died; the shard fails and is redone on retry or resume")
+            raise self._died("vLLM's engine core died; the shard fails and is redone on retry or resume")
         lora = None
         if sampling.lora:
             if sampling.lora not in self.lora_adapters:
@@ -336,12 +342,12 @@ class VllmEngine(Engine):
                   stats.num_accepted_tokens)
         start_t = self.clock()
         if self._core_dead():
-            raise EngineDied("vLLM's engine core died; the shard fails and is redone on retry or resume")
+            raise self._died("vLLM's engine core died; the shard fails and is redone on retry or resume")
         outputs = self._engine_step()
         idle_since = time.monotonic()
         while not outputs and self.engine.has_unfinished_requests():  # an idle poll is not a step
             if self._core_dead():
-                raise EngineDied("vLLM's engine core died; the shard fails and is redone on retry or resume")
+                raise self._died("vLLM's engine core died; the shard fails and is redone on retry or resume")
             if time.monotonic() - idle_since > IDLE_TIMEOUT_S:
                 raise EngineDied(f"vLLM produced no output for {IDLE_TIMEOUT_S:.0f} s with requests in flight")
             outputs = self._engine_step()
@@ -397,12 +403,18 @@ class VllmEngine(Engine):
     def _engine_step(self):
         try:
             return self.engine.step()
-        except EngineDead:
-            raise
+        except EngineDead as e:  # the watchdog's
+            raise self._died(str(e)) from e
         except Exception as e:  # vLLM's EngineDeadError fails the shard; anything else may be one request's
             if "Dead" in type(e).__name__:
-                raise EngineDied(f"vLLM's engine core died: {e}") from e
+                raise self._died("vLLM's engine core died", str(e)) from e
             raise
+
+    def _died(self, what: str, detail: str | None = None) -> EngineDied:
+        """The error for a dead engine, ending with the cause its processes printed where they did (else
+        with what vLLM told this process)."""
+        cause = root_cause(self._child_output)
+        return EngineDied(f"{what}: {cause}" if cause else f"{what} ({detail})" if detail else what)
 
     def abort_all(self) -> list[str]:
         ids = list(self._requests)
