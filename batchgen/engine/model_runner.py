@@ -1,5 +1,6 @@
-"""The model runner: owns the device tensors (weights, the paged KV pool, the sampler's tables) and
-runs one forward pass over a scheduled step.
+"""The model runner: owns the device (the weights in their dtype and kernel, the paged KV pool, the
+attention backend, the decode buckets and compile, the sampler) and runs one forward pass over a
+scheduled step.
 
 A step's tokens are every scheduled chunk's tokens side by side ([T], no padding): the running
 requests' decode tokens and chunks of prompts, in one pass over the weights. The only host sync is
@@ -8,36 +9,171 @@ the final `.tolist()` of the sampled tokens (and, where asked, their logprobs, i
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import torch
 
+from batchgen.config import DTYPE_BYTES, EngineConfig, batchgen_home
+from batchgen.engine.attention import TorchPagedAttention, select_backend
 from batchgen.engine.attention_metadata import DECODE_KEYS, FAR, PREFILL_KEYS, PREFILL_TILE, AttentionMetadata, TileGroup
-from batchgen.engine.kv_cache import PagedKVCache
+from batchgen.engine.decode_graphs import DecodeGraphs
+from batchgen.engine.kv_cache import PagedKVCache, free_memory_bytes
+from batchgen.engine.precision import decode_matrices, resolve_dtype, resolve_fp32_kernel, resolve_gguf
 from batchgen.engine.request import Request
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import Chunk
+from batchgen.model import ggml
+from batchgen.model.linear import INT4_GROUP, can_int4, fp32_kernel
+from batchgen.model.llama import LlamaModel
+from batchgen.model.loader import DTYPES, load_model, read_model_config
 
 
 class ModelRunner:
-    def __init__(self, model, kv: PagedKVCache | None, attention, vocab_size: int, device: str, constraints=None,
-                 sampler: str = "auto"):
-        self.model = model  # batchgen.model.llama.LlamaModel
-        self.kv = kv  # None: recompute the whole history every step (the lab's baseline)
-        self.attention = attention  # batchgen.engine.attention.select_backend(device), or None without a cache
-        self.device = device
-        self.sampler = Sampler(vocab_size, device, sampler)  # sampler: batchgen.config.SAMPLER_KERNELS
-        self.constraints = constraints  # batchgen.engine.structured.GrammarConstraints: masks constrained rows
+    """Owns the device: chooses the dtype and the matmul kernel, loads the model, sizes and allocates
+    the KV pool, picks the attention backend, and owns the decode buckets (graphs, compile) and the
+    sampler. The engine asks it for one thing: `execute` a scheduled step."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig, constraints=None, *,
+                 model: LlamaModel | None = None):
+        """`model`: an already built model, e.g. random weights of a large shape for a benchmark
+        (batchgen.model.random_init); then config.dtype is the model's. `constraints`
+        (batchgen.engine.structured.GrammarConstraints) masks the constrained rows' logits."""
+        c = model.config if model is not None else read_model_config(model_dir)
+        self.model_config = c
+        self.config = config
+        self.device = config.device
+        self.max_model_len = min(config.max_model_len, c.max_position_embeddings)
+        self.quantization = config.quantization  # `--dtype auto` may take the model's GGUF blocks (_load)
+        if model is not None:
+            self.model, self.dtype, self.dtype_choice = model, str(model.dtype).removeprefix("torch."), "the model's"
+        else:
+            self.model, self.dtype, self.dtype_choice, self.quantization = self._load(model_dir, config, c)
+        bpe = DTYPE_BYTES[self.dtype]
+        self.kv_bytes_per_token = c.kv_bytes_per_token(bpe)
+        self.row_embed_bytes = c.hidden_size * bpe
+        bs = config.block_size
+        block_bytes = PagedKVCache.block_bytes(c.num_layers, bs, c.num_kv_heads, c.head_dim, bpe)
+        pool_bytes = config.kv_pool_bytes(self.kv_bytes_per_token, free_memory_bytes(config.device))
+        most_useful = config.max_num_seqs * -(-self.max_model_len // bs)  # more could never be used at once
+        self.num_blocks = max(1, min(pool_bytes // block_bytes, most_useful))  # what the block manager hands out
+        # None without a cache: recompute the whole history every step (the lab's baseline)
+        self.attention = select_backend(config.device, config.attention_backend) if config.enable_kv_cache else None
+        graphs_mode = self._graphs_mode(config, self.attention)
+        # with decode buckets, one more block than the allocator hands out: the padding rows' scratch block
+        self.kv = (PagedKVCache(c.num_layers, self.num_blocks + (graphs_mode is not None), bs, c.num_kv_heads,
+                                c.head_dim, DTYPES[self.dtype], config.device, self.attention.kv_layout)
+                   if self.attention else None)
+        self.sampler = Sampler(c.vocab_size, config.device, config.sampler)
+        self.constraints = constraints
         self.num_computed_positions = 0  # positions run through the model (the lab's count)
-        # sampled rows whose top-p set reached past the candidates, redone by `_exact` (the torch sampler
-        # only: the fused one redoes them inside its call)
-        self.num_exact_fallbacks = 0
-        # host seconds choosing tokens from logits (argmax, or the sampler and its exact fallback): on CPU
-        # their compute, which the bench reports as a share of the decode steps; on CUDA mostly launches
-        # (the kernels run asynchronously until the step's one sync). Where a row asks for logprobs,
-        # their log-softmax is included: it now shares the tokens' transfer (the bench asks for none).
-        self.sample_s = 0.0
-        self.graphs = None  # batchgen.engine.decode_graphs.DecodeGraphs: decode-only steps in static buckets (graphs, compiled)
+        if config.compile != "off":  # Inductor's on-disk cache beside the probe's: a machine compiles once
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(batchgen_home() / "inductor"))
+        # decode-only steps in static buckets (graphs, compiled), or None
+        self.graphs = (DecodeGraphs(self.model, self.kv, self.attention, scratch_block=self.num_blocks,
+                                    device=config.device, mode=graphs_mode,
+                                    compile_after_s=0.0 if config.compile == "on" else None)
+                       if graphs_mode is not None else None)
+        self.compile_s = self._compile(config)
+
+    @staticmethod
+    def _load(model_dir, config: EngineConfig, c) -> tuple[LlamaModel, str, str, str]:
+        """The weights in the dtype and kernel this machine runs fastest (or that the config asks for),
+        why that dtype, and the weight format (`--dtype auto` on CPU takes the model's own GGUF blocks
+        where they measure faster: batchgen.engine.precision.resolve_gguf)."""
+        fp32, fp32_why, quantization = config.fp32_kernel, None, config.quantization
+        if config.quantization == "int4":
+            if not can_int4(config.device):
+                raise ValueError(f"quantization int4 needs PyTorch's int4 CPU kernel; device {config.device!r} "
+                                 f"has none here (on CUDA, serve a quantized checkpoint with the vllm engine)")
+            dtype, why = "bfloat16", "int4 weights: the kernel's activations"
+        elif config.quantization == "gguf":
+            dtype, why = "float32", "gguf blocks: the kernel's activations"
+        else:
+            if config.dtype in ("auto", "float32") and config.pack_weights and config.device == "cpu":
+                # float32's kernel for this batch band first: `--dtype auto` compares float32 on it
+                fp32, fp32_why = resolve_fp32_kernel(config.fp32_kernel, config.device, config.max_num_seqs,
+                                                     decode_matrices(c))
+            dtype, why = resolve_dtype(config.dtype, config.device, config.max_num_seqs, fp32)
+            if config.dtype == "auto" and config.device == "cpu" and config.pack_weights:
+                width = fp32_kernel(fp32, config.device)[0] if dtype == "float32" else None
+                take, gguf_why = resolve_gguf(model_dir, c, dtype, width, config.max_num_seqs)
+                if take:
+                    quantization, dtype = "gguf", "float32"
+                    why = f"auto: the model's GGUF blocks (float32 activations), {gguf_why}; dense: {why}"
+                else:
+                    why = f"{why}; the model's GGUF blocks not taken: {gguf_why}"
+        model = load_model(model_dir, dtype, config.device, max_positions=min(config.max_model_len,
+                                                                               c.max_position_embeddings),
+                           pack_weights=config.pack_weights, quantization=quantization, fp32_kernel=fp32)
+        if dtype == "float32" and config.fp32_kernel == "auto" and fp32_why:
+            model.layout_note = fp32_why  # which kernel auto took for this band, and the figures
+        return model, dtype, why, quantization
+
+    @staticmethod
+    def _graphs_mode(config: EngineConfig, attention) -> str | None:
+        """How decode-only steps run in static buckets (batchgen.engine.decode_graphs), or None (not at
+        all). On CUDA: captured graphs (`--cuda-graphs`). On CPU: the whole step compiled per bucket
+        (`--compile on`, or `auto`: once a bucket's eager time would have paid for it), or, with
+        `--cuda-graphs on` and compile not asked for, the padded buckets run eagerly (the GPU path's
+        bucketing, checkable without a GPU)."""
+        if attention is None or not isinstance(attention, TorchPagedAttention):
+            return None  # no cache (the lab), or a kernel that plans on the host each step (FlashInfer)
+        if config.device.startswith("cuda"):
+            return "capture" if config.cuda_graphs in ("on", "auto") else None
+        if config.compile == "on" or (config.compile == "auto" and config.cuda_graphs != "on"):
+            return "compile"
+        return "eager" if config.cuda_graphs == "on" else None
+
+    def _compile(self, config: EngineConfig) -> float | None:
+        """The step's elementwise pieces compiled (RMSNorm, RoPE, the gated activation): on CUDA with
+        `--compile auto|on`, and on CPU where `--compile on` has no whole step to compile (no KV cache).
+        Where the decode step is compiled whole per bucket (CPU), that is done on each bucket's first use
+        instead (see decode_graphs). Returns the seconds the compile took (paid here, on a warm-up
+        forward, not inside the first step)."""
+        on = config.compile == "on" or (config.compile == "auto" and config.device.startswith("cuda"))
+        if not on or self.model.compiled or (self.graphs and self.graphs.mode == "compile"):
+            return None
+        t0 = time.perf_counter()
+        # on CUDA, Inductor's reduce-overhead mode records the compiled kernels as CUDA graphs, unless the
+        # whole decode step is captured (decode_graphs): graphs inside that capture would nest
+        whole_step = self.graphs is not None and self.graphs.capture
+        self.model.compile("reduce-overhead" if config.device.startswith("cuda") and not whole_step else None)
+        try:
+            self.model.warm_up()
+        except Exception as e:  # a compiler that fails here must not take the run down: eager still works
+            if config.compile == "on":
+                raise
+            self.model.uncompile(f"failed ({type(e).__name__}: {str(e)[:200]}), eager")
+        return time.perf_counter() - t0
+
+    def conditions(self) -> dict:
+        """The device side of the run's conditions: dtype, kernels, attention, compile, graphs."""
+        g = self.graphs
+        if g is not None and g.mode == "compile":
+            compile_ = ("auto: " if g.auto else "") + "whole decode step per bucket" + (
+                f"; failed ({g.failed}), eager" if g.failed else "")
+        else:
+            compile_ = self.model.compiled or "off"
+        return {
+            "dtype": self.dtype, "dtype_choice": self.dtype_choice, "weight_layout": self.model.weight_layout,
+            "quantization": self._quantization(), "kv_cache_bytes": self.kv.nbytes if self.kv else 0,
+            "attention_backend": self.attention.name if self.attention else "none (recompute)",
+            "weight_bytes": self.model.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
+            "sampler": self.sampler.name, "compile": compile_,
+            "compile_s": g.compile_s if g is not None and g.mode == "compile" else self.compile_s,
+            "cuda_graphs": "off" if g is None else g.describe(),
+        }
+
+    def _quantization(self) -> str | None:
+        if self.quantization == "int4":
+            return f"int4 weight-only, group {INT4_GROUP}, scale+zero (layers; head {self.dtype})"
+        if self.quantization == "gguf":  # which block formats, and the instruction set the kernel runs
+            mods = [m for l in self.model.layers for m in (l.qkv, l.o, l.gate_up, l.down)] + [self.model.lm_head]
+            kinds = sorted({m.kind for m in mods if hasattr(m, "kind")})
+            return f"gguf blocks as shipped ({', '.join(kinds)}), batchgen qgemv on {ggml.isa_name()}"
+        return None
 
     def execute(self, chunks: list[Chunk]) -> tuple[list[int], list[tuple[float, list] | None] | None]:
         """Run the step. Returns the sampled tokens of each chunk that reaches its request's end, in
@@ -61,41 +197,7 @@ class ModelRunner:
         if self.constraints is not None and self.constraints.matchers:
             masked = logits.clone()  # a copy: logprobs stay those of the raw distribution
             self.constraints.mask(masked, [r.request_id for r in sampling])
-        t0 = time.perf_counter()
-        tokens = self._sample(masked, sampling, offsets)
-        wants = [r.sampling.logprobs for r in sampling]
-        info = None
-        if all(k is None for k in wants):
-            toks = tokens.tolist()  # the one host sync
-        else:  # the logprobs come back in the tokens' transfer: still one sync
-            toks, info = self._with_logprobs(logits, tokens, wants)
-        if -1 in toks:  # a flat distribution reached past the candidates (torch sampler; rare): a 2nd sync
-            toks = self._exact(masked, sampling, offsets, toks)
-            if info is not None:  # the chosen tokens' logprobs again, for the rows redone
-                toks, info = self._with_logprobs(logits, torch.tensor(toks, device=tokens.device), wants)
-        self.sample_s += time.perf_counter() - t0
-        return toks, info
-
-    @staticmethod
-    def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, wants: list[int | None]):
-        """Log-probabilities of the raw model distribution (before temperature and top-k/p, as vLLM's
-        default raw_logprobs): the chosen token's and the top k, read back in the same single sync."""
-        R, k = tokens.shape[0], max(w or 0 for w in wants)
-        lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
-        chosen = lp.gather(1, tokens.clamp(min=0)[:, None])[:, 0]  # [R] (a -1 row is redone by the caller)
-        top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], tokens[:, None][:, :0])  # [R, k]
-        # float64 holds token ids exactly, so everything comes back in one transfer
-        flat = torch.cat([tokens.double(), chosen.double(), top_v.double().flatten(), top_i.double().flatten()]).tolist()
-        toks = [int(t) for t in flat[:R]]
-        top_vals, top_ids = flat[2 * R:2 * R + R * k], flat[2 * R + R * k:]
-        info = []
-        for r, w in enumerate(wants):
-            if w is None:
-                info.append(None)
-                continue
-            alts = [(int(top_ids[r * k + j]), top_vals[r * k + j]) for j in range(w)]
-            info.append((flat[R + r], alts))
-        return toks, info
+        return self.sampler.choose(logits, masked, sampling, offsets)
 
     # ---- the paged forward -------------------------------------------------------------------------
 
@@ -150,40 +252,6 @@ class ModelRunner:
         tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.int64, device=self.device)
         last = torch.tensor([len(s) - 1 for s in seqs], dtype=torch.int64, device=self.device)
         return self.model.prefill(tokens, last)
-
-    # ---- sampling ----------------------------------------------------------------------------------
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], offsets: list[int]) -> torch.Tensor:
-        """Tokens [R], with -1 at rows the sampler flagged for its exact path (see `_exact`)."""
-        sp = [r.sampling for r in reqs]
-        if all(s.greedy for s in sp):
-            return logits.argmax(dim=-1)
-        sampled = [s for s in sp if not s.greedy]
-        return self.sampler.sample(logits, *self._sampling_tensors(reqs, offsets), all_greedy=False,
-                                   use_top=any(s.top_k > 0 or s.top_p < 1.0 for s in sampled),
-                                   any_plain=any(s.top_k <= 0 and s.top_p >= 1.0 for s in sampled),
-                                   max_top_k=max(s.top_k for s in sampled), any_greedy=len(sampled) < len(sp))
-
-    def _sampling_tensors(self, reqs: list[Request], offsets: list[int]) -> tuple[torch.Tensor, ...]:
-        """temperature, top_p [R] float32; top_k, seed, counter [R] int64 (the counter: the index of
-        the token being drawn). Two host-to-device copies a step, not five: views of two tensors."""
-        R, sp = len(reqs), [r.sampling for r in reqs]
-        f = torch.tensor([float(s.temperature) for s in sp] + [float(s.top_p) for s in sp], device=self.device)
-        i = torch.tensor([s.top_k for s in sp] + [r.seed for r in reqs]
-                         + [len(r.output_token_ids) + j for r, j in zip(reqs, offsets)],
-                         dtype=torch.int64, device=self.device)
-        return f[:R], f[R:], i[:R], i[R:2 * R], i[2 * R:]
-
-    def _exact(self, logits: torch.Tensor, reqs: list[Request], offsets: list[int], toks: list[int]) -> list[int]:
-        """Redo the flagged rows (-1) over the whole sorted vocabulary: a second sync, rare."""
-        rows = [i for i, t in enumerate(toks) if t == -1]
-        fixed = self.sampler.exact(logits[rows], *self._sampling_tensors([reqs[i] for i in rows],
-                                                                         [offsets[i] for i in rows])).tolist()
-        out = list(toks)
-        for i, t in zip(rows, fixed):
-            out[i] = t
-        self.num_exact_fallbacks += len(rows)
-        return out
 
 
 def _pairs(pairs: tuple[list, list, list], tile: int, table: list[int], last_pos: int, bs: int, kt: int) -> None:

@@ -21,6 +21,8 @@ out of cache. The torch path serves CUDA, machines without a compiler, and `exac
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from batchgen.config import SAMPLER_KERNELS
@@ -103,6 +105,14 @@ class Sampler:
         self.device = device
         self.torch_why = fused_kernel(kernel, device)  # None: the fused kernel samples
         self._buf: torch.Tensor | None = None  # scratch [rows, V] for the scaled logits
+        # sampled rows whose top-p set reached past the candidates, redone over the whole vocabulary
+        # (the torch path only: the fused kernel redoes them inside its call)
+        self.num_exact_fallbacks = 0
+        # host seconds choosing tokens from logits (argmax, or the sampler and its exact fallback): on CPU
+        # their compute, which the bench reports as a share of the decode steps; on CUDA mostly launches
+        # (the kernels run asynchronously until the step's one sync). Where a row asks for logprobs,
+        # their log-softmax is included: it shares the tokens' transfer (the bench asks for none).
+        self.seconds = 0.0
 
     @property
     def name(self) -> str:
@@ -191,3 +201,78 @@ class Sampler:
             tokens[rows] = self.exact(logits[rows], temperature[rows], top_p[rows], top_k[rows], seed[rows],
                                       counter[rows])
         return tokens
+
+    # ---- a step's rows: what the model runner calls ----------------------------------------------
+
+    def choose(self, logits: torch.Tensor, masked: torch.Tensor, reqs: list, offsets: list[int]):
+        """A step's tokens from its logits rows, one per (request, offset past its newest token):
+        greedy, or sampled by each request's parameters and seed, from `masked` (the logits with the
+        grammar's forbidden tokens at -inf), and, where a request asks, the logprobs of the raw
+        distribution `logits`. Returns (tokens, [(chosen logprob, top k)] or None): one host sync,
+        a second only when a row needs the exact path."""
+        t0 = time.perf_counter()
+        tokens = self._draw(masked, reqs, offsets)
+        wants = [r.sampling.logprobs for r in reqs]
+        info = None
+        if all(k is None for k in wants):
+            toks = tokens.tolist()  # the one host sync
+        else:  # the logprobs come back in the tokens' transfer: still one sync
+            toks, info = self.with_logprobs(logits, tokens, wants)
+        if -1 in toks:  # a flat distribution reached past the candidates (torch sampler; rare): a 2nd sync
+            toks = self._exact_rows(masked, reqs, offsets, toks)
+            if info is not None:  # the chosen tokens' logprobs again, for the rows redone
+                toks, info = self.with_logprobs(logits, torch.tensor(toks, device=tokens.device), wants)
+        self.seconds += time.perf_counter() - t0
+        return toks, info
+
+    def _draw(self, logits: torch.Tensor, reqs: list, offsets: list[int]) -> torch.Tensor:
+        """Tokens [R], with -1 at rows the sampler flagged for its exact path."""
+        sp = [r.sampling for r in reqs]
+        if all(s.greedy for s in sp):
+            return logits.argmax(dim=-1)
+        sampled = [s for s in sp if not s.greedy]
+        return self.sample(logits, *self._tensors(reqs, offsets), all_greedy=False,
+                           use_top=any(s.top_k > 0 or s.top_p < 1.0 for s in sampled),
+                           any_plain=any(s.top_k <= 0 and s.top_p >= 1.0 for s in sampled),
+                           max_top_k=max(s.top_k for s in sampled), any_greedy=len(sampled) < len(sp))
+
+    def _tensors(self, reqs: list, offsets: list[int]) -> tuple[torch.Tensor, ...]:
+        """temperature, top_p [R] float32; top_k, seed, counter [R] int64 (the counter: the index of
+        the token being drawn). Two host-to-device copies a step, not five: views of two tensors."""
+        R, sp = len(reqs), [r.sampling for r in reqs]
+        f = torch.tensor([float(s.temperature) for s in sp] + [float(s.top_p) for s in sp], device=self.device)
+        i = torch.tensor([s.top_k for s in sp] + [r.seed for r in reqs]
+                         + [len(r.output_token_ids) + j for r, j in zip(reqs, offsets)],
+                         dtype=torch.int64, device=self.device)
+        return f[:R], f[R:], i[:R], i[R:2 * R], i[2 * R:]
+
+    def _exact_rows(self, logits: torch.Tensor, reqs: list, offsets: list[int], toks: list[int]) -> list[int]:
+        """Redo the flagged rows (-1) over the whole sorted vocabulary: a second sync, rare."""
+        rows = [i for i, t in enumerate(toks) if t == -1]
+        fixed = self.exact(logits[rows], *self._tensors([reqs[i] for i in rows], [offsets[i] for i in rows])).tolist()
+        out = list(toks)
+        for i, t in zip(rows, fixed):
+            out[i] = t
+        self.num_exact_fallbacks += len(rows)
+        return out
+
+    @staticmethod
+    def with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, wants: list[int | None]):
+        """Log-probabilities of the raw model distribution (before temperature and top-k/p, as vLLM's
+        default raw_logprobs): the chosen token's and the top k, read back in the same single sync."""
+        R, k = tokens.shape[0], max(w or 0 for w in wants)
+        lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+        chosen = lp.gather(1, tokens.clamp(min=0)[:, None])[:, 0]  # [R] (a -1 row is redone by the caller)
+        top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], tokens[:, None][:, :0])  # [R, k]
+        # float64 holds token ids exactly, so everything comes back in one transfer
+        flat = torch.cat([tokens.double(), chosen.double(), top_v.double().flatten(), top_i.double().flatten()]).tolist()
+        toks = [int(t) for t in flat[:R]]
+        top_vals, top_ids = flat[2 * R:2 * R + R * k], flat[2 * R + R * k:]
+        info = []
+        for r, w in enumerate(wants):
+            if w is None:
+                info.append(None)
+                continue
+            alts = [(int(top_ids[r * k + j]), top_vals[r * k + j]) for j in range(w)]
+            info.append((flat[R + r], alts))
+        return toks, info
