@@ -4,7 +4,7 @@
 
 `generate` does all of it in one process (the CLI). A Prefect flow calls `open_run` and `finalize`
 itself and fans `generate_shard` (flows/generate.py) out as one task per shard, in process or on Ray workers: each
-worker keeps its engine loaded across shards, and a per-shard lock stops two workers doing one shard.
+process's `Worker` keeps its engine loaded across shards, and a per-shard lock stops two workers doing one shard.
 Committed shards are skipped on resume once their files match their manifest's checksums; a partial
 or damaged one is cleared and redone. A request that makes the engine fail is isolated and becomes
 an error row; SIGTERM/SIGINT end the run cleanly (lease released, attempt recorded as interrupted).
@@ -32,7 +32,7 @@ from batchgen.data.reader import InputError, PromptDataset, Shard
 from batchgen.data.run import RunDir, new_run_id
 from batchgen.data.writer import SCHEMAS, ShardWriter
 from batchgen.engine import Engine, EngineDead, RequestRejected, create_engine
-from batchgen.faults import checkpoint
+from batchgen.faults import Faults
 from batchgen.metrics.clock import RunClock
 from batchgen.metrics.conditions import hardware, model_fingerprint, software
 from batchgen.model.prepare import resolve_model
@@ -75,7 +75,7 @@ def run_identity(cfg: RunConfig, model_dir: Path, input_fingerprint: str) -> dic
     return json.loads(json.dumps(identity, default=str))  # compare as it is stored
 
 
-def open_run(cfg: RunConfig) -> OpenRun:
+def open_run(cfg: RunConfig, faults: Faults | None = None) -> OpenRun:
     """Validate the whole input, then create or resume the run directory and take its lock."""
     dataset = PromptDataset(cfg.inputs, cfg.keep_columns)  # whole-input errors stop us here, before any work
     clash = sorted(set(cfg.keep_columns) & set(SCHEMAS["requests"].names + SCHEMAS["errors"].names))
@@ -86,7 +86,7 @@ def open_run(cfg: RunConfig) -> OpenRun:
         from batchgen.engine.vllm import check_vllm_options
 
         check_vllm_options(dict(cfg.engine_options))
-    run = RunDir(join(cfg.output_dir, cfg.run_id or new_run_id()))
+    run = RunDir(join(cfg.output_dir, cfg.run_id or new_run_id()), faults)
     model_dir = resolve_model(cfg.model)
     identity = run_identity(cfg, model_dir, dataset.fingerprint())
     info = {"input": {"files": dataset.files, "rows": dataset.num_rows, "shards": dataset.num_shards(cfg.shard_size)},
@@ -102,31 +102,48 @@ def _probe(device: str) -> dict[str, float]:
     return cached_probe(device)
 
 
-_ENGINES: dict[tuple, Engine] = {}
+class Worker:
+    """What one process keeps across shards and runs: its loaded engine (one model on the device at a
+    time, reused while the configuration is the same), the attempt it records into for each run, and
+    the fault injection its parts are given (none unless the tests' environment asks). The CLI makes
+    one per run; a Prefect or Ray worker process keeps one for its lifetime (flows/generate.py)."""
 
+    def __init__(self, faults: Faults | None = None, create: Callable[..., Engine] = create_engine):
+        """`create`: how an engine is made (batchgen.engine.create_engine; a test wraps it in a double)."""
+        self.faults = faults if faults is not None else Faults.from_env()
+        self.create = create
+        self.engine: Engine | None = None
+        self._engine_key: tuple | None = None
+        self.attempts: dict[str, str | None] = {}  # run path -> this process's attempt file in it
 
-def load_engine(cfg: RunConfig, model_dir: Path) -> Engine:
-    """One engine per process and configuration, reused across shards (and across runs)."""
-    key = (cfg.engine, str(model_dir), cfg.engine_config, json.dumps(cfg.engine_options, sort_keys=True, default=str),
-           cfg.lora_adapters)
-    if key not in _ENGINES:
-        for old in _ENGINES.values():
-            old.close()  # one model on the device at a time
-        _ENGINES.clear()
-        _ENGINES[key] = create_engine(cfg.engine, model_dir, cfg.engine_config, options=dict(cfg.engine_options),
-                                      lora_adapters=dict(cfg.lora_adapters))
-    return _ENGINES[key]
+    def load_engine(self, cfg: RunConfig, model_dir: Path) -> Engine:
+        key = (cfg.engine, str(model_dir), cfg.engine_config,
+               json.dumps(cfg.engine_options, sort_keys=True, default=str), cfg.lora_adapters)
+        if self.engine is None or key != self._engine_key:
+            if self.engine is not None:
+                self.drop_engine(self.engine)  # one model on the device at a time
+            self.engine = self.create(cfg.engine, model_dir, cfg.engine_config, options=dict(cfg.engine_options),
+                                        lora_adapters=dict(cfg.lora_adapters), faults=self.faults)
+            self._engine_key = key
+        return self.engine
 
+    def drop_engine(self, engine: Engine) -> None:
+        """Forget (and close) an engine that failed, so that a retry in this process starts a fresh one."""
+        if engine is self.engine:
+            self.engine, self._engine_key = None, None
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001 - it is already broken; closing is best effort
+            pass
 
-def drop_engine(engine: Engine) -> None:
-    """Forget (and close) an engine that failed, so that a retry in this process starts a fresh one."""
-    for key, cached in list(_ENGINES.items()):
-        if cached is engine:
-            del _ENGINES[key]
-    try:
-        engine.close()
-    except Exception:  # noqa: BLE001 - it is already broken; closing is best effort
-        pass
+    def record_once(self, run: RunDir, cfg: RunConfig, engine: Engine, probe: bool = True) -> None:
+        """This process's attempt in the run, recorded once: a worker opens the run afresh for each
+        shard and keeps writing to its one attempt."""
+        if str(run.path) not in self.attempts:
+            run.record_attempt(run_conditions(cfg, engine, probe))
+            self.attempts[str(run.path)] = run.attempt_file
+        else:
+            run.attempt_file = self.attempts[str(run.path)]
 
 
 def run_conditions(cfg: RunConfig, engine: Engine, probe: bool = True) -> dict[str, Any]:
@@ -165,16 +182,16 @@ def run_shard(cfg: RunConfig, run: RunDir, dataset: PromptDataset, engine: Engin
                     writer.expect(sample.id, p.id, k, p.n, sample.sampling.seed, p.truncated_from)
         if progress:
             progress.update(len(writer.errors["id"]))
-        _generate_isolating_failures(engine, writer, prepared, progress)
+        _generate_isolating_failures(engine, writer, prepared, progress, run.faults)
         manifest = run.commit_shard(index, writer.tables(), shard.table.column("id").combine_chunks(),
                                     {"output_tokens": writer.num_output_tokens}, fence=lease)
         run.refresh_attempt(engine.conditions())  # compile seconds grow as buckets are first used
-        checkpoint("shard-done")
+        run.faults.checkpoint("shard-done")
         return manifest
 
 
 def _generate_isolating_failures(engine: Engine, writer: ShardWriter, rows: list[PreparedRow],
-                                 progress: "_Progress | None") -> None:
+                                 progress: "_Progress | None", faults: Faults) -> None:
     """Feed `rows` to the engine and step it until they are done. If a step fails (and the engine is
     not dead), the unfinished requests are aborted and redone in halves, so a request that breaks
     the engine ends alone, as an error row, while the rest of the shard completes. Redone requests
@@ -196,7 +213,7 @@ def _generate_isolating_failures(engine: Engine, writer: ShardWriter, rows: list
                 writer.add_step(result)
                 if progress:
                     progress.update(len(result.finished), len(result.token_request_ids))
-                checkpoint("step")
+                faults.checkpoint("step")
         except EngineDead:
             raise
         except Exception as e:  # noqa: BLE001 - maybe one request's fault: find it by halving
@@ -218,29 +235,19 @@ def _say(msg: str) -> None:
     print(f"batchgen: {msg}", file=sys.stderr, flush=True)
 
 
-def run_shard_in_worker(cfg: RunConfig, run_path: str, index: int) -> dict[str, Any]:
-    """A shard as a unit of distributed work: everything from the config and the run directory."""
-    run = RunDir(run_path)
+def run_shard_in_worker(cfg: RunConfig, run_path: str, index: int, worker: Worker) -> dict[str, Any]:
+    """A shard as a unit of distributed work: everything from the config and the run directory, on
+    the process's worker (its loaded engine)."""
+    run = RunDir(run_path, worker.faults)
     model_dir = resolve_model(cfg.model)
-    engine = load_engine(cfg, model_dir)
-    _record_once(run, cfg, engine)
+    engine = worker.load_engine(cfg, model_dir)
+    worker.record_once(run, cfg, engine)
     try:
         manifest = run_shard(cfg, run, PromptDataset(cfg.inputs, cfg.keep_columns), engine, index)
     except BaseException:
-        drop_engine(engine)  # its state is unknown (a dead vLLM core, half-fed requests): start clean
+        worker.drop_engine(engine)  # its state is unknown (a dead vLLM core, half-fed requests): start clean
         raise
     return manifest or {"shard": index, "skipped": True}
-
-
-_RECORDED: dict[str, str | None] = {}  # run path -> this process's attempt file in it
-
-
-def _record_once(run: RunDir, cfg: RunConfig, engine: Engine, probe: bool = True) -> None:
-    if str(run.path) not in _RECORDED:
-        run.record_attempt(run_conditions(cfg, engine, probe))
-        _RECORDED[str(run.path)] = run.attempt_file
-    else:  # a worker opens the run afresh for each shard: it keeps writing to its one attempt
-        run.attempt_file = _RECORDED[str(run.path)]
 
 
 def finalize(opened: OpenRun) -> dict[str, int]:
@@ -305,19 +312,22 @@ def interruptible():
 
 
 def generate(cfg: RunConfig, on_shard: Callable[[dict], None] | None = None, probe: bool = True,
-             on_start: Callable[[OpenRun], None] | None = None) -> RunSummary:
-    """Run (or resume) one generation job in this process."""
+             on_start: Callable[[OpenRun], None] | None = None, worker: Worker | None = None) -> RunSummary:
+    """Run (or resume) one generation job in this process; `worker`: one kept across runs (its
+    engine stays loaded), else a new one for this run."""
     t_start = time.perf_counter()
+    own_worker = worker is None
+    worker = worker or Worker()
     with interruptible():
-        opened = open_run(cfg)
+        opened = open_run(cfg, worker.faults)
         if on_start:
             on_start(opened)
         output_tokens = 0
         engine = None
         try:
-            engine = load_engine(cfg, opened.model_dir)
-            _RECORDED.pop(str(opened.run.path), None)
-            _record_once(opened.run, cfg, engine, probe)
+            engine = worker.load_engine(cfg, opened.model_dir)
+            worker.attempts.pop(str(opened.run.path), None)  # a new attempt, even in a kept worker
+            worker.record_once(opened.run, cfg, engine, probe)
             progress = _Progress(cfg.progress, opened.dataset.num_rows, opened.run.name)
             for shard in opened.dataset.shards(cfg.shard_size):  # one streaming pass over the input
                 manifest = run_shard(cfg, opened.run, opened.dataset, engine, shard.index, progress, shard)
@@ -331,9 +341,11 @@ def generate(cfg: RunConfig, on_shard: Callable[[dict], None] | None = None, pro
             summary = finalize(opened)
         except BaseException as e:
             if engine is not None:
-                drop_engine(engine)
+                worker.drop_engine(engine)
             abandon(opened, e)
             raise
+        if own_worker:  # nobody will reuse it: give the device back now
+            worker.drop_engine(engine)
     return RunSummary(str(opened.run.path), summary["rows"], summary["ok"], summary["errors"], summary["shards"],
                       opened.resumed, output_tokens, time.perf_counter() - t_start)
 

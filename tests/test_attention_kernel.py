@@ -150,9 +150,29 @@ def test_engine_gives_the_same_tokens_with_either_backend(op, tmp_path, real_mod
 
 
 def test_without_a_compiler_auto_takes_the_pytorch_path(tmp_path, monkeypatch):
-    monkeypatch.setattr(kernels, "_loaded", {})  # this process has not loaded it: try to build
     monkeypatch.setenv("BATCHGEN_KERNEL_DIR", str(tmp_path / "kernels"))
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     assert select_backend("cpu").name == "torch-paged"
     with pytest.raises(RuntimeError, match="attention kernel is unavailable here"):
         select_backend("cpu", "cpu")
+
+
+def test_a_failed_build_is_recorded_and_not_retried(tmp_path):
+    """A compiler that fails: load() says why, leaves the reason beside where the library would be,
+    and neither this process nor the next runs that build again (a fresh process: one that has
+    loaded no kernel)."""
+    import subprocess
+    import sys
+
+    calls = tmp_path / "calls"
+    cxx = tmp_path / "bad-c++"
+    cxx.write_text(f"#!/bin/sh\necho called >> {calls}\necho 'error: no such thing' >&2\nexit 1\n")
+    cxx.chmod(0o755)
+    env = {**__import__("os").environ, "CXX": str(cxx), "BATCHGEN_KERNEL_DIR": str(tmp_path / "k")}
+    code = "from batchgen import kernels; print(kernels.load('attention')); print(kernels.load('attention'))"
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        lines = out.stdout.splitlines()
+        assert len(lines) == 2 and lines[0] == lines[1] and "build failed: error: no such thing" in lines[0], out
+    assert calls.read_text().splitlines() == ["called"]  # built once, in the first process; then the record
+    assert [p.suffix for p in (tmp_path / "k").iterdir()] == [".failed"]

@@ -7,7 +7,7 @@ import pytest
 from batchgen.config import EngineConfig, RunConfig, SamplingParams
 from batchgen.data.writer import SCHEMAS
 from batchgen.engine import RequestRejected
-from batchgen.runner import generate, load_engine
+from batchgen.runner import Worker, generate
 
 from conftest import TEST_DATA, cli_args, read_run_table, run_cli_subprocess, skip_or_fail, write_prompts
 
@@ -15,6 +15,16 @@ pytestmark = pytest.mark.heavy  # starts vLLM, a Prefect server or a Ray cluster
 
 ENGINES = ["native", "vllm"]
 N_PROMPTS = 16
+
+
+@pytest.fixture(scope="module")
+def worker():
+    """One worker for the module, as a process keeps one: each engine loads once and is reused by the
+    runs and tests that follow (vLLM starts in ~30 s)."""
+    w = Worker()
+    yield w
+    if w.engine is not None:
+        w.drop_engine(w.engine)
 
 
 class Runs(dict):
@@ -26,7 +36,7 @@ class Runs(dict):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, worker):
     """Each engine generates the same dataset once (vLLM starts in ~30 s, so the runs are shared)."""
     out = Runs()
     try:
@@ -51,7 +61,7 @@ def runs(tmp_path_factory):
                         engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),
                         sampling=SamplingParams(max_tokens=24, logprobs=2), keep_columns=("source",),
                         progress=False)
-        summary = generate(cfg, probe=False)
+        summary = generate(cfg, probe=False, worker=worker)
         out[engine] = (summary, root / engine)
     return out
 
@@ -126,12 +136,12 @@ def test_same_error_handling(runs, engine):
     assert "max_model_len 512" in errors["too-long"]["error"] and "prompt is empty" in errors["empty"]["error"]
 
 
-def test_vllm_rejects_a_request_it_cannot_take_as_a_row_error(runs):
+def test_vllm_rejects_a_request_it_cannot_take_as_a_row_error(runs, worker):
     cfg = RunConfig(inputs=("x",), output_dir="x", engine="vllm",
                     engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512))
     from batchgen.model.prepare import resolve_model
 
-    engine = load_engine(cfg, resolve_model(cfg.model))  # the engine the vllm run left loaded
+    engine = worker.load_engine(cfg, resolve_model(cfg.model))  # the engine the vllm run left loaded
     with pytest.raises(RequestRejected, match="maximum context length is 512"):
         engine.add("direct", list(range(10, 700)), SamplingParams(max_tokens=2))
     assert not engine.has_unfinished()
@@ -168,7 +178,7 @@ def test_cli_engine_vllm_in_a_fresh_process(tmp_path, runs):
     assert conditions["engine"] == "vllm" and conditions["vllm_options"]["enable_prefix_caching"] is True
 
 
-def test_speculative_ngram_steps_emit_several_tokens_sharing_one_time(tmp_path, runs):
+def test_speculative_ngram_steps_emit_several_tokens_sharing_one_time(tmp_path, runs, worker):
     """n-gram speculation through speculative_config: a step may emit several tokens of a request;
     they share the step's time (token ITL 0), and the per-step ITL query sees through that."""
     from batchgen.report.queries import connect, run_query
@@ -182,7 +192,7 @@ def test_speculative_ngram_steps_emit_several_tokens_sharing_one_time(tmp_path, 
                     engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),
                     sampling=SamplingParams(max_tokens=32), engine_options=(("speculative_config", spec),),
                     progress=False)
-    generate(cfg, probe=False)
+    generate(cfg, probe=False, worker=worker)
     t = tables(tmp_path / "spec")
     tok = t["tokens"].to_pylist()
     per_step = {}
@@ -197,12 +207,11 @@ def test_speculative_ngram_steps_emit_several_tokens_sharing_one_time(tmp_path, 
     assert row["max_tokens_per_step"] > 1 and row["p50_s"] > 0
 
 
-def test_dead_vllm_engine_fails_the_run_and_a_rerun_resumes(tmp_path, runs):
+def test_dead_vllm_engine_fails_the_run_and_a_rerun_resumes(tmp_path, runs, worker):
     """Kill vLLM's engine-core process: the shard fails (no manifest, no _SUCCESS), the dead engine is
     dropped, and the same command resumes into a complete, exactly-once run with a fresh engine."""
     import psutil
 
-    import batchgen.runner as runner
     from batchgen.model.prepare import resolve_model
 
     inp = tmp_path / "in.parquet"
@@ -210,7 +219,7 @@ def test_dead_vllm_engine_fails_the_run_and_a_rerun_resumes(tmp_path, runs):
     cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id="dies", engine="vllm", shard_size=3,
                     engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),
                     sampling=SamplingParams(max_tokens=8), progress=False)
-    engine = load_engine(cfg, resolve_model(cfg.model))
+    engine = worker.load_engine(cfg, resolve_model(cfg.model))
     cores = [p for p in psutil.Process().children(recursive=True)
              if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
     assert cores, "expected vLLM's engine core to run in a child process"
@@ -218,10 +227,10 @@ def test_dead_vllm_engine_fails_the_run_and_a_rerun_resumes(tmp_path, runs):
         p.kill()
     psutil.wait_procs(cores, timeout=30)
     with pytest.raises(Exception, match="engine core"):
-        generate(cfg, probe=False)
+        generate(cfg, probe=False, worker=worker)
     assert not (tmp_path / "dies" / "_SUCCESS").exists()
-    assert engine not in runner._ENGINES.values()
-    summary = generate(cfg, probe=False)
+    assert worker.engine is not engine  # the dead engine was dropped: the rerun starts a fresh one
+    summary = generate(cfg, probe=False, worker=worker)
     assert summary.resumed and summary.rows == 6 and summary.ok == 6
     ids = tables(tmp_path / "dies")["requests"].column("id").to_pylist()
     assert sorted(ids) == sorted(pq.read_table(inp).column("id").to_pylist())
@@ -279,7 +288,7 @@ def test_vllm_runs_a_family_the_native_engine_refuses(tmp_path, real_model_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
-def test_json_schema_output_validates_on_52_rows(tmp_path, runs, engine):
+def test_json_schema_output_validates_on_52_rows(tmp_path, runs, engine, worker):
     """Every output parses and validates against its schema (xgrammar natively, vLLM's structured outputs)."""
     import json
 
@@ -299,7 +308,7 @@ def test_json_schema_output_validates_on_52_rows(tmp_path, runs, engine):
     cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id=engine, engine=engine, shard_size=26,
                     engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),  # the fixture's: vLLM is reused
                     sampling=SamplingParams(max_tokens=48, structured=spec), progress=False)
-    summary = generate(cfg, probe=False)
+    summary = generate(cfg, probe=False, worker=worker)
     assert summary.rows == 52 and summary.errors == 0
     req = read_run_table(tmp_path / engine, "requests").to_pylist()
     assert len(req) == 52
@@ -324,7 +333,7 @@ def tiny_adapter(tmp_path_factory, real_model_dir):
 
 
 @pytest.mark.slow
-def test_lora_adapter_per_row_on_vllm_and_a_clear_error_on_native(tmp_path, tiny_adapter):
+def test_lora_adapter_per_row_on_vllm_and_a_clear_error_on_native(tmp_path, tiny_adapter, worker):
     from conftest import write_prompts
 
     prompts = ["Name a colour.", "Name a fruit.", "Name a city."]
@@ -334,13 +343,13 @@ def test_lora_adapter_per_row_on_vllm_and_a_clear_error_on_native(tmp_path, tiny
     common = dict(inputs=(str(inp),), output_dir=str(tmp_path), shard_size=10, progress=False,
                   engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=256), sampling=SamplingParams(max_tokens=8),
                   lora_adapters=(("tiny", str(tiny_adapter)),))
-    generate(RunConfig(**common, engine="vllm", run_id="vllm"), probe=False)
+    generate(RunConfig(**common, engine="vllm", run_id="vllm"), probe=False, worker=worker)
     t = tables(tmp_path / "vllm")
     out = {r["id"]: r["output_token_ids"] for r in t["requests"].to_pylist()}
     errors = {e["id"]: e["error"] for e in t["errors"].to_pylist()}
     assert "lora 'nope' is not an adapter of this run (adapters: tiny)" in errors["unknown"]
     assert sum(out[f"a{i}"] != out[f"b{i}"] for i in range(3)) >= 2  # the adapter changes what the model says
-    generate(RunConfig(**common, engine="native", run_id="native"), probe=False)
+    generate(RunConfig(**common, engine="native", run_id="native"), probe=False, worker=worker)
     t = tables(tmp_path / "native")
     errors = {e["id"]: e["error"] for e in t["errors"].to_pylist()}
     assert all("the native engine runs no adapters; use --engine vllm" in errors[f"a{i}"] for i in range(3))
@@ -348,14 +357,14 @@ def test_lora_adapter_per_row_on_vllm_and_a_clear_error_on_native(tmp_path, tiny
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_n_samples_are_the_same_rows_with_the_same_seeds_on_both_engines(tmp_path, runs, engine):
+def test_n_samples_are_the_same_rows_with_the_same_seeds_on_both_engines(tmp_path, runs, engine, worker):
     from conftest import write_prompts
 
     inp = write_prompts(tmp_path / "in.parquet", ["Name a colour.", "Name a fruit.", "  "], ids=["c", "f", "empty"])
     cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id=engine, engine=engine, n=3,
                     engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),  # the fixture's: vLLM is reused
                     sampling=SamplingParams(max_tokens=6, temperature=0.9), progress=False)
-    generate(cfg, probe=False)
+    generate(cfg, probe=False, worker=worker)
     t = tables(tmp_path / engine)
     req = t["requests"].to_pylist()
     assert sorted((r["id"], r["sample_index"], r["num_samples"]) for r in req) == \

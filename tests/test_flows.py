@@ -149,19 +149,20 @@ class FlakyEngineDouble:
 
 
 def test_a_dying_engine_fails_the_shard_which_is_retried_and_resumed(tmp_path, tiny_model_dir, monkeypatch):
-    import batchgen.runner as runner
+    import flows.generate as flows_generate
+    from batchgen.engine import create_engine
+    from batchgen.runner import Worker
     from flows.generate import generate
 
-    real_create = runner.create_engine
     created = []
 
     def create(*a, **kw):
-        engine = FlakyEngineDouble(real_create(*a, **kw))
+        engine = FlakyEngineDouble(create_engine(*a, **kw))
         created.append(engine)
         return engine
 
-    monkeypatch.setattr(runner, "create_engine", create)
-    monkeypatch.setattr(runner, "_ENGINES", {})
+    # the flow process's worker, as a fresh process has it (no engine loaded), making doubles
+    monkeypatch.setattr(flows_generate, "WORKER", Worker(create=create))
     result = generate(settings_for(tmp_path, tiny_model_dir, run_id="flaky"))
     assert FlakyEngineDouble.failures_left == 0 and len(created) == 2  # the retry got a fresh engine
     assert result["rows"] == 8 and ids_in(result["run_dir"]) == [f"f{i}" for i in range(8)]

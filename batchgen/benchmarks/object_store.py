@@ -73,11 +73,11 @@ import batchgen.runner as runner
 from batchgen.benchmarks.object_store import EchoEngine, peak_rss_mib
 from batchgen.config import RunConfig, SamplingParams
 from batchgen.model.tokenizer import Tokenizer
-runner.load_engine = lambda cfg, model_dir: EchoEngine(Tokenizer(model_dir))  # the double, see module doc
+worker = runner.Worker(create=lambda name, model_dir, *a, **kw: EchoEngine(Tokenizer(model_dir)))  # the double
 cfg = RunConfig(inputs=({inp!r},), output_dir={out!r}, model={model!r}, run_id="bench", shard_size={shard_size},
                 sampling=SamplingParams(max_tokens=1), progress=False)
 t0 = time.perf_counter()
-s = runner.generate(cfg, probe=False)
+s = runner.generate(cfg, probe=False, worker=worker)
 print(json.dumps({{"rows": s.rows, "seconds": time.perf_counter() - t0, "peak_rss_mib": peak_rss_mib()}}))
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -20,7 +20,8 @@ import time
 def main(argv: list[str] | None = None) -> int:
     from batchgen.benchmarks import bench
     from batchgen.config import EngineConfig, SamplingParams
-    from batchgen.engine import create_engine, decode_graphs
+    from batchgen.engine import create_engine
+    from batchgen.engine.decode_graphs import STEP_OPTIONS, DecodeGraphs
     from batchgen.metrics.conditions import cpu_features, cpu_model
     from batchgen.model.prepare import resolve_model
 
@@ -41,11 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     engines, ids = {}, None
     for variant in a.variants.split(","):
         backend, wrapper = variant.split("/")
-        decode_graphs.STEP_OPTIONS["cpp_wrapper"] = wrapper == "1"  # read when a bucket compiles
         cfg = EngineConfig(max_num_seqs=a.batch, max_model_len=2048, dtype=a.dtype, quantization=a.quantization,
                            compile="on", kv_cache_tokens=a.batch * 600 + 2048, enable_prefix_caching=False,
                            attention_backend=backend)
         e = create_engine("native", model, cfg)
+        g = e.runner.graphs  # its buckets compile on first use: rebuilt here with this variant's options
+        e.runner.graphs = DecodeGraphs(g.model, g.kv, g.attention, g.scratch, g.device, g.mode, 0.0,
+                                       step_options={**STEP_OPTIONS, "cpp_wrapper": wrapper == "1"})
         ids = [e.tokenizer.encode(x) for x in prompts]
         t0 = time.perf_counter()
         bench.run_engine(e, ids, a.batch, SamplingParams(max_tokens=16, ignore_eos=True), None, "warm")

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from batchgen.data.fs import Store, basename
 from batchgen.data.lock import Lease, LockError
-from batchgen.faults import checkpoint
+from batchgen.faults import Faults
 
 TABLES = ("requests", "errors", "tokens", "steps")
 IDENTITY_WORDS = {"input_fingerprint": "input (its files' content changed)", "model_fingerprint": "model",
@@ -54,7 +54,9 @@ class RunDir:
     """A run's files under a local directory or an object-store prefix (s3://bucket/runs/<id>): the
     same layout and the same protocol on both; only the primitives differ (batchgen.data.fs)."""
 
-    def __init__(self, location: str | Path):
+    def __init__(self, location: str | Path, faults: Faults | None = None):
+        """`faults`: the fault-injection tests' kill points in the commit protocol (none by default)."""
+        self.faults = faults or Faults()
         self.store = Store(location)
         self.path = self.store.location  # a local path or a URI, as given
         self.name = basename(self.path)
@@ -206,8 +208,8 @@ class RunDir:
             files.append({"table": t, "path": rel, "rows": tables[t].num_rows, "bytes": len(data),
                           "sha256": hashlib.sha256(data).hexdigest()})
             if i == 1:
-                checkpoint("commit-staged")
-        checkpoint("commit-published")
+                self.faults.checkpoint("commit-staged")
+        self.faults.checkpoint("commit-published")
         ids_hash = hashlib.sha256("\n".join(input_ids.to_pylist()).encode()).hexdigest()[:16]
         manifest = {"shard": index, "attempt": attempt, "rows": len(input_ids), "ok": tables["requests"].num_rows,
                     "errors": tables["errors"].num_rows, "input_ids_sha256": ids_hash, "files": files,

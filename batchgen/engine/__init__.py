@@ -10,11 +10,13 @@ from batchgen.engine.base import Engine, EngineDead, FinishedRequest, RequestRej
 
 
 def create_engine(name: str, model_dir: str | Path, config: EngineConfig, clock: Callable[[], float] | None = None,
-                  options: dict[str, Any] | None = None, lora_adapters: dict[str, str] | None = None) -> Engine:
+                  options: dict[str, Any] | None = None, lora_adapters: dict[str, str] | None = None,
+                  faults=None) -> Engine:
+    """`faults` (batchgen.faults.Faults): requests that break the native engine's step, for the tests."""
     if name == "native":
         from batchgen.engine.native import NativeEngine
 
-        return NativeEngine(model_dir, config, clock)
+        return NativeEngine(model_dir, config, clock, faults=faults)
     if name == "vllm":
         from batchgen.engine.vllm import VllmEngine  # noqa: F401  (imports vllm lazily)
 

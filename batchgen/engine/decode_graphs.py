@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from types import MappingProxyType
 from typing import Callable
 
 import torch
@@ -51,7 +52,8 @@ UNMEASURED_COMPILE_S = 30.0  # the compile cost assumed before one has been meas
 # shapes and strides Dynamo's guards already check before the compiled code runs. cpp_wrapper: the
 # wrapper that calls the step's kernels is C++ too, not Python (2026-12-03, 2-core Zen 4, median of 3,
 # interleaved: batch 1 on the GGUF blocks 147 -> 157 decode tok/s; batch 64 bf16 1456 -> 1540).
-STEP_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False, "cpp_wrapper": True}
+STEP_OPTIONS = MappingProxyType({"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False,
+                                 "cpp_wrapper": True})
 
 
 def bucket(n: int) -> int:
@@ -94,7 +96,7 @@ class DecodeGraphs:
     once; None: from the compile cost measured on this machine, see the module's docstring)."""
 
     def __init__(self, model, kv, attention, scratch_block: int, device: str, mode: str,
-                 compile_after_s: float | None = 0.0):
+                 compile_after_s: float | None = 0.0, step_options: dict | None = None):
         self.model, self.kv, self.attention = model, kv, attention
         self.scratch = scratch_block
         self.device, self.mode = device, mode
@@ -116,7 +118,8 @@ class DecodeGraphs:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
             torch._dynamo.config.accumulated_recompile_limit = max(
                 torch._dynamo.config.accumulated_recompile_limit, 4096)
-            self.compiled_step = torch.compile(self._step, dynamic=False, options=STEP_OPTIONS)
+            # Inductor's options for the step (step_options: another set, for an A/B; batchgen.benchmarks.step_ab)
+            self.compiled_step = torch.compile(self._step, dynamic=False, options=dict(step_options or STEP_OPTIONS))
 
     def run(self, tokens: list[int], positions: list[int], block_idx: list[int], pairs: tuple[list, list, list],
             kt: int, dynamic: Callable[[], torch.Tensor]) -> torch.Tensor:

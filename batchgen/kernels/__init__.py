@@ -31,7 +31,6 @@ NAMES = ("gemv", "sample", "qgemv", "attention")
 # every function use the build machine's widest instructions, and a narrower region could not call
 # its own intrinsics)
 RUNTIME_DISPATCH = ("qgemv",)
-_loaded: dict[str, str | None] = {}  # this process: kernel name -> None once loaded, or why it could not be
 
 
 def source(name: str) -> Path:
@@ -73,14 +72,21 @@ def library_path(name: str, compiler: str) -> Path:
 
 def load(name: str) -> str | None:
     """Load kernel `name`'s library into this process (its ops appear under torch.ops), building it
-    first where this machine has none. None once loaded; else, why it cannot be used here."""
-    if name in _loaded:
-        return _loaded[name]
+    first where this machine has none. None once loaded; else, why it cannot be used here.
+
+    Holds no state of its own: PyTorch records the libraries a process has loaded, and a build that
+    failed leaves its reason beside where the library would be (so no process on this machine tries
+    that source with that compiler again; a changed source or compiler is a new key)."""
     compiler = os.environ.get("CXX", "c++")
     try:
         if shutil.which(compiler) is None:
             raise RuntimeError(f"no C++ compiler ({compiler!r} not found)")
+        if any(Path(p).name.startswith(f"{name}-") for p in torch.ops.loaded_libraries):
+            return None  # loaded (a process holds one build of a kernel: its ops' names are taken)
         so = library_path(name, compiler)
+        failed = so.with_suffix(".failed")
+        if failed.exists():
+            raise RuntimeError(failed.read_text())
         if not so.exists():
             so.parent.mkdir(parents=True, exist_ok=True)
             # built beside its final name, then renamed: a process that loads it never sees half a file
@@ -89,16 +95,16 @@ def load(name: str) -> str | None:
             try:
                 r = subprocess.run(_command(name, compiler, Path(tmp)), capture_output=True, text=True)
                 if r.returncode:
-                    raise RuntimeError(f"build failed: {r.stderr.strip()[-300:]}")
+                    failed.write_text(f"build failed: {r.stderr.strip()[-300:]}")
+                    raise RuntimeError(failed.read_text())
                 os.replace(tmp, so)
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
         torch.ops.load_library(str(so))
-        _loaded[name] = None
+        return None
     except (OSError, RuntimeError) as e:
-        _loaded[name] = f"{type(e).__name__}: {e}"
-    return _loaded[name]
+        return f"{type(e).__name__}: {e}"
 
 
 def build_all() -> list[str]:
