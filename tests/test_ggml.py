@@ -152,3 +152,41 @@ def test_the_engine_on_the_shipped_blocks_matches_float32(isas, real_model_dir):
     assert ggml.ISA_NAMES[isas[0]] in cond["quantization"] and "Q4_1 blocks" in cond["weight_layout"]
     assert cond["weight_bytes"] < 110e6  # about 96 MB read a step, against float32's 540
     assert agreement(ref, got) >= 0.9, agreement(ref, got)
+
+
+@pytest.mark.slow
+def test_dtype_auto_takes_the_shipped_blocks_where_they_measure_faster(isas, real_model_dir, tmp_path, monkeypatch):
+    """`--dtype auto` on CPU weighs the model's own GGUF blocks against the dense dtype it would take,
+    per batch band: the blocks where they are faster (here, by the measurement's test double, at band
+    1 and not at 64), with the same greedy tokens as float32 (they are the model's exact weights)."""
+    from batchgen import kernels
+    from batchgen.engine import precision
+
+    monkeypatch.setenv("BATCHGEN_KERNEL_DIR", str(kernels.kernel_dir()))  # the built kernels stay found
+    monkeypatch.setenv("BATCHGEN_HOME", str(tmp_path))  # no cached choice: the doubles below decide
+    dense = {str(b): {"float32": 1.0, "bfloat16": 2.0, "float16": 3.0} for b in precision.BANDS}
+    monkeypatch.setattr(precision, "measure_dtype_speeds", lambda device, fp32_width=None: {
+        "speeds": dense, "bytes_fp32": 1 << 20})
+    calls = []
+
+    def measure_gguf_double(device, shapes, dtype, fp32_width, repeats=3):  # test double: gguf wins at 1, 8
+        calls.append((dtype, len(shapes)))
+        return {"speeds": {str(b): {"gguf": 0.5 if b < 64 else 2.0, dtype: 1.0} for b in precision.BANDS},
+                "matrices": len(shapes)}
+
+    monkeypatch.setattr(precision, "measure_gguf", measure_gguf_double)
+
+    def run(max_num_seqs, **kw):
+        out, cond = engine_tokens(real_model_dir, CHAT, SamplingParams(max_tokens=16, ignore_eos=True),
+                                  max_num_seqs=max_num_seqs, max_model_len=256, kv_cache_tokens=2048,
+                                  compile="off", **kw)
+        return [out[str(i)] for i in range(len(CHAT))], cond
+
+    got, cond = run(1)
+    assert cond["dtype"] == "float32" and cond["quantization"].startswith("gguf blocks as shipped")
+    assert "auto: the model's GGUF blocks" in cond["dtype_choice"] and "band 1" in cond["dtype_choice"]
+    ref, _ = run(1, dtype="float32")
+    assert got == ref
+    _, wide = run(64)
+    assert wide["quantization"] is None and "GGUF blocks not taken" in wide["dtype_choice"]
+    assert calls and all(c == calls[0] for c in calls) and calls[0][0] == "float32"

@@ -30,23 +30,28 @@ _SHAPES = ((3072, 1024), (1024, 3072), (4096, 1024), (1024, 1024)) * 5
 MEASURE_CAP_BYTES = 256 << 20  # a model's fp32 kernel crossover is timed on at most this much of its matrices
 
 
-def _fastest_passes(variants: dict[str, list], dt: torch.dtype, repeats: int) -> dict[str, dict[str, float]]:
+def _fastest_passes(variants: dict[str, list], dt: torch.dtype | dict[str, torch.dtype],
+                    repeats: int) -> dict[str, dict[str, float]]:
     """{band: {variant: the fastest of `repeats` passes over its matrices, seconds}}. The variants take
-    turns inside each repeat, so a slow patch of a shared machine falls on all of them."""
+    turns inside each repeat, so a slow patch of a shared machine falls on all of them. `dt`: the
+    activations' dtype, or one per variant."""
+    dts = dt if isinstance(dt, dict) else dict.fromkeys(variants, dt)
     speeds: dict[str, dict[str, float]] = {}
     ks = {m.in_features for mats in variants.values() for m in mats}
     for band in BANDS:
-        xs = {k: torch.randn(band, k).to(dt) for k in ks}
+        x32 = {k: torch.randn(band, k) for k in ks}
+        xs = {d: {k: x.to(d) for k, x in x32.items()} for d in set(dts.values())}
         best = dict.fromkeys(variants, math.inf)
         with torch.inference_mode():
-            for mats in variants.values():
+            for name, mats in variants.items():
                 for m in mats[:4]:  # warm each kernel up once
-                    m(xs[m.in_features])
+                    m(xs[dts[name]][m.in_features])
             for _ in range(repeats):
                 for name, mats in variants.items():
+                    x = xs[dts[name]]
                     t0 = time.perf_counter()
                     for m in mats:
-                        m(xs[m.in_features])
+                        m(x[m.in_features])
                     best[name] = min(best[name], time.perf_counter() - t0)
         speeds[str(band)] = best
     return speeds
@@ -162,3 +167,50 @@ def resolve_dtype(requested: str, device: str, batch: int, fp32: str = "auto") -
     return best, (f"auto: fastest at batch band {band} (max_num_seqs {batch}) on this CPU: {figures} per "
                   f"{m['bytes_fp32'] >> 20} MiB-fp32 pass, float32 on {'gemv' if width else 'oneDNN'} "
                   f"({m['dtype_source']})")
+
+
+# ---- the model's own GGUF blocks as a candidate of `--dtype auto` ----------------------------------
+
+def measure_gguf(device: str, shapes: list[tuple[int, int]], dtype: str, fp32_width: int | None,
+                 repeats: int = 3) -> dict:
+    """Q4_1 blocks on batchgen's qgemv kernel (float32 activations) against `dtype` on its own kernel,
+    per band, in turns, over matrices of `shapes` (the model's, decode_matrices): {"speeds": {band:
+    {"gguf": s, dtype: s}}}. The blocks' values do not matter to the time: random codes."""
+    from batchgen.model.ggml import QK, BlockLinear
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = [BlockLinear("Q4_1", torch.randint(0, 256, (n, k // QK, 16), dtype=torch.uint8, generator=gen),
+                          torch.full((n, k // QK), 0.01, dtype=torch.float16),
+                          torch.full((n, k // QK), -0.08, dtype=torch.float16)) for n, k in shapes]
+    dt = getattr(torch, dtype)
+    dense = [Linear(w.to(dt), gemv_width=fp32_width if dtype == "float32" else None) for w in _weights(shapes)]
+    speeds = _fastest_passes({"gguf": blocks, dtype: dense}, {"gguf": torch.float32, dtype: dt}, repeats)
+    return {"speeds": speeds, "matrices": len(shapes)}
+
+
+def resolve_gguf(model_dir, c: ModelConfig, dtype: str, fp32_width: int | None, batch: int) -> tuple[bool, str]:
+    """(run the model's GGUF blocks?, why) for `--dtype auto` on CPU, against `dtype`, what auto took
+    among the dense dtypes. The blocks are taken where the model ships them (SmolLM2's Q4_1 layers
+    and Q8_0 head: the model's exact weights, so nothing is lost; float32 activations), batchgen's
+    qgemv kernel builds here, and they measure faster at the batch band nearest max_num_seqs (once
+    per machine, model shape and dense dtype; cached). At decode's few rows they read 0.625 bytes a
+    weight instead of 2 or 4; at wide batches the dense GEMMs win."""
+    from batchgen.metrics.probe import cached_measurement
+    from batchgen.model import ggml
+
+    try:
+        ggml.find_gguf(model_dir)
+    except ggml.GGUFError:
+        return False, "the model directory holds no GGUF file"
+    isa = ggml.load()
+    if isinstance(isa, str):
+        return False, f"the GGUF kernel cannot run here ({isa})"
+    shapes = [(n, k) for n, k in decode_matrices(c) if k % ggml.QK == 0]
+    key = hashlib.sha256(repr(shapes).encode()).hexdigest()[:12]
+    m = cached_measurement(f"-gguf-{dtype}-gemv{fp32_width or 0}-{key}", "cpu",
+                           lambda dev: measure_gguf(dev, shapes, dtype, fp32_width), prefix="gguf")
+    band = band_of(batch)
+    speeds = m["speeds"][str(band)]
+    take = speeds["gguf"] < speeds[dtype]
+    return take, (f"at batch band {band}: the model's GGUF blocks {1000 * speeds['gguf']:.1f} ms, {dtype} "
+                  f"{1000 * speeds[dtype]:.1f} ms per pass over the model's shapes ({m['gguf_source']})")

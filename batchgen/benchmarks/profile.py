@@ -1,0 +1,129 @@
+"""Where a step's time goes: the native engine under PyTorch's profiler, at several batch sizes, its
+prefill steps and its decode steps apart. Each op's own time (self CPU time) is put in one class:
+
+- GEMM: the matmuls (batchgen's gemv and low-bit kernels, oneDNN, int4, aten mm/addmm/linear);
+- attention: the paged attention (batchgen's C++ kernel, or the PyTorch path's ops inside it);
+- sampling: choosing tokens from logits (argmax, the fused sampler, top-k, softmax);
+- fused elementwise: the kernels Inductor generated for the compiled step (norms, RoPE, KV writes);
+- other ops: every other op (copies, index, embedding, ...);
+- host (Python, guards): the phase's wall time that no op accounts for: the scheduler, the model
+  runner's planning, Dynamo's guards, the output processor.
+
+    python -m batchgen.benchmarks.profile --batches 1,64,256
+
+The engine runs with the defaults a user gets (`--dtype auto`, compile on after a warm-up that
+compiles every bucket the measured steps use). The profiler adds its own cost to each op; the shares
+are what to read, not the absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+CLASSES = ("GEMM", "attention", "sampling", "fused elementwise", "other ops", "host (Python, guards)")
+GEMM_NAMES = ("gemv", "qgemv", "q4_1", "q8_0", "_weight_int4pack", "mkldnn", "aten::mm", "aten::addmm",
+              "aten::linear", "aten::bmm", "aten::matmul")
+SAMPLING_NAMES = ("argmax", "batchgen_sample", "topk", "softmax", "searchsorted", "cumsum")
+
+
+def classify(name: str) -> str:
+    if "batchgen_attention" in name or "attention" in name.lower():
+        return "attention"
+    if any(k in name for k in GEMM_NAMES):
+        return "GEMM"
+    if any(k in name for k in SAMPLING_NAMES):
+        return "sampling"
+    if "CompiledFxGraph" in name or "Torch-Compiled" in name or name.startswith(("cpp_fused", "graph_")):
+        return "fused elementwise"
+    return "other ops"
+
+
+def shares(prof, wall_s: float) -> dict[str, float]:
+    """Each class's share of the phase's wall time (the host's: what no op accounts for)."""
+    got = dict.fromkeys(CLASSES, 0.0)
+    for ev in prof.key_averages():
+        if ev.key.startswith("ProfilerStep") or ev.key.startswith("##"):
+            continue
+        got[classify(ev.key)] += ev.self_cpu_time_total / 1e6
+    op_s = sum(got.values())
+    got["host (Python, guards)"] = max(0.0, wall_s - op_s)
+    total = sum(got.values()) or 1.0
+    return {k: v / total for k, v in got.items()}
+
+
+def profile_batch(model_dir, batch: int, new_tokens: int, decode_steps: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from batchgen.benchmarks.bench import held_prompts, run_engine
+    from batchgen.config import EngineConfig, SamplingParams
+    from batchgen.engine.native import NativeEngine
+
+    cfg = EngineConfig(max_num_seqs=batch, max_model_len=2048, compile="on", enable_prefix_caching=False,
+                       kv_cache_tokens=batch * 700 + 2048, max_num_batched_tokens=4096)
+    e = NativeEngine(model_dir, cfg)
+    ids = [e.tokenizer.encode(p) for p in held_prompts(batch)]
+    # warm-up: every bucket the decode steps below use gets compiled here, not inside the profile
+    run_engine(e, ids, batch, SamplingParams(max_tokens=new_tokens, ignore_eos=True), None, "warm")
+    for i, p in enumerate(ids):
+        e.add(f"p-{i}", p, SamplingParams(max_tokens=decode_steps + 2, ignore_eos=True))
+    phases = {}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # the prefill steps: until every prompt is in
+        t0, steps, tokens = time.perf_counter(), 0, 0
+        while e.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in e.scheduler.running):
+            r = e.step()
+            steps, tokens = steps + 1, tokens + r.num_prefill_tokens
+        wall = time.perf_counter() - t0
+    phases["prefill"] = {"steps": steps, "tokens": tokens, "wall_s": wall, "shares": shares(prof, wall)}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0, steps = time.perf_counter(), 0
+        while e.has_unfinished() and steps < decode_steps:
+            e.step()
+            steps += 1
+        wall = time.perf_counter() - t0
+    phases["decode"] = {"steps": steps, "tokens": steps * batch, "wall_s": wall, "shares": shares(prof, wall)}
+    while e.has_unfinished():
+        e.step()
+    c = e.conditions()
+    return {"batch": batch, "dtype": c["dtype"], "attention": c["attention_backend"], "compile": c["compile"],
+            "threads": torch.get_num_threads(), "phases": phases}
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = f"{'batch':>5} {'phase':<8} {'dtype':<9} {'ms/step':>8} " + " ".join(f"{c:>12}" for c in
+                                                                            ("GEMM", "attention", "sampling", "fused ew",
+                                                                             "other ops", "host"))
+    lines = [head]
+    for r in rows:
+        for phase, p in r["phases"].items():
+            ms = 1e3 * p["wall_s"] / max(p["steps"], 1)
+            lines.append(f"{r['batch']:>5} {phase:<8} {r['dtype']:<9} {ms:>8.1f} "
+                         + " ".join(f"{100 * p['shares'][c]:>11.0f}%" for c in CLASSES))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from batchgen.metrics.conditions import cpu_features, cpu_model
+    from batchgen.model.prepare import resolve_model
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,64,256")
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--model", default="smollm2-135m")
+    a = p.parse_args(argv)
+    model = resolve_model(a.model)
+    rows = []
+    for b in (int(x) for x in a.batches.split(",")):
+        rows.append(profile_batch(model, b, new_tokens=8, decode_steps=a.decode_steps))
+        print(f"  batch {b} done", flush=True)
+    print(f"step profile, {time.strftime('%Y-%m-%d %H:%M')}: {cpu_model()} ({cpu_features()}), "
+          f"{rows[0]['threads']} torch threads; native engine, dtype auto, compile on, attention "
+          f"{rows[0]['attention']}; prefill: every held prompt's steps, decode: {a.decode_steps} steps; "
+          f"one run, shares of each phase's wall time under the profiler")
+    print(format_rows(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
