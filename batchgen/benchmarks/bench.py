@@ -97,6 +97,16 @@ def held_prompts(n: int) -> list[str]:
     return [base[i] if i < len(base) else f"(variant {i // len(base)}) {base[i % len(base)]}" for i in range(n)]
 
 
+def chat_ids(tok, texts: list[str]) -> list[list[int]]:
+    """Each text as a one-turn chat, rendered with the model's template and tokenized."""
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+
+
+def held_prompt_ids(tok, n: int) -> list[list[int]]:
+    """The first n held prompts as chat prompts of at most MAX_PROMPT_TOKENS tokens (the bench's)."""
+    return [p for p in chat_ids(tok, held_prompts(2 * n)) if len(p) <= MAX_PROMPT_TOKENS][:n]
+
+
 def _median(values) -> float | None:
     got = sorted(v for v in values if v is not None)
     return got[len(got) // 2] if got else None
@@ -255,10 +265,10 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
     tok = Tokenizer(model_dir)
 
     def chat(texts: list[str]) -> list[list[int]]:
-        return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+        return chat_ids(tok, texts)
 
     most = max(max(batches), MIN_PROMPTS)
-    held = [p for p in chat(held_prompts(2 * most)) if len(p) <= MAX_PROMPT_TOKENS][:most]
+    held = held_prompt_ids(tok, most)
     max_len = max(len(p) for p in held) + new_tokens + 8
     # KV for the largest batch's rows in flight at once (each padded to whole 16-position blocks)
     kv_tokens = max(sum(len(p) + new_tokens + 32 for p in held[:b]) for b in batches)
@@ -427,6 +437,8 @@ def _peer_cells(names: list[str], gguf: list[Path], model_dir, batches: list[int
                 log(f"llama.cpp left out: {why}")
                 continue
             runner = peers.LlamaCppRunner(gguf[0], max(batches), max_len, _threads())
+            if runner.note:
+                log(f"llama.cpp: {runner.note}")
 
             def measure(b: int, mode: str, runner=runner) -> dict | None:
                 if mode != "greedy":

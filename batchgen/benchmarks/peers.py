@@ -19,6 +19,13 @@ from pathlib import Path
 
 N_BATCH = 2048  # tokens per llama_decode call (prompts are fed in chunks of this many)
 
+def _cpu_flags() -> str:
+    try:
+        return next((l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
 def llama_cpp_available() -> str | None:
     """None where llama-cpp-python imports; else why not."""
     try:
@@ -38,6 +45,13 @@ class LlamaCppRunner:
         self.lc, self.np = lc, np
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
+        self.note = None
+        if "amx_int8" in _cpu_flags():
+            # llama.cpp repacks Q4_1 weights for AMX where the CPU has it, and that path segfaults in
+            # ggml_backend_amx_mul_mat at the first decode (llama-cpp-python 0.3.36, 2-core Xeon with AMX,
+            # 2026-12-03): its plain CPU kernels run instead, as a user who hits the crash would run it
+            mparams.use_extra_bufts = False
+            self.note = "AMX weight repacking off (llama.cpp's AMX path segfaults on this CPU)"
         self.model = lc.llama_model_load_from_file(str(gguf).encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")

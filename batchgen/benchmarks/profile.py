@@ -52,20 +52,20 @@ def shares(prof, wall_s: float) -> dict[str, float]:
     return {k: v / total for k, v in got.items()}
 
 
-def profile_batch(model_dir, batch: int, new_tokens: int, decode_steps: int) -> dict:
+def profile_batch(model_dir, batch: int, decode_steps: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from batchgen.benchmarks.bench import held_prompts, run_engine
+    from batchgen.benchmarks.bench import held_prompt_ids, run_engine
     from batchgen.config import EngineConfig, SamplingParams
     from batchgen.engine.native import NativeEngine
 
     cfg = EngineConfig(max_num_seqs=batch, max_model_len=2048, compile="on", enable_prefix_caching=False,
                        kv_cache_tokens=batch * 700 + 2048, max_num_batched_tokens=4096)
     e = NativeEngine(model_dir, cfg)
-    ids = [e.tokenizer.encode(p) for p in held_prompts(batch)]
-    # warm-up: every bucket the decode steps below use gets compiled here, not inside the profile
-    run_engine(e, ids, batch, SamplingParams(max_tokens=new_tokens, ignore_eos=True), None, "warm")
+    ids = held_prompt_ids(e.tokenizer, batch)  # the bench's chat prompts
+    # warm-up, the same requests as the profiled ones: every bucket those steps use compiles here
+    run_engine(e, ids, batch, SamplingParams(max_tokens=decode_steps + 2, ignore_eos=True), None, "warm")
     for i, p in enumerate(ids):
         e.add(f"p-{i}", p, SamplingParams(max_tokens=decode_steps + 2, ignore_eos=True))
     phases = {}
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_model(a.model)
     rows = []
     for b in (int(x) for x in a.batches.split(",")):
-        rows.append(profile_batch(model, b, new_tokens=8, decode_steps=a.decode_steps))
+        rows.append(profile_batch(model, b, decode_steps=a.decode_steps))
         print(f"  batch {b} done", flush=True)
     print(f"step profile, {time.strftime('%Y-%m-%d %H:%M')}: {cpu_model()} ({cpu_features()}), "
           f"{rows[0]['threads']} torch threads; native engine, dtype auto, compile on, attention "

@@ -35,11 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     a = p.parse_args(argv)
     model = resolve_model(a.model)
-    prompts = bench.held_prompts(a.batch)
+    from batchgen.model.tokenizer import Tokenizer
+
+    ids = bench.held_prompt_ids(Tokenizer(model), a.batch)  # the bench's chat prompts
     print(f"step A/B, {time.strftime('%Y-%m-%d %H:%M')}: {cpu_model()} ({cpu_features()}); batch {a.batch}, "
           f"dtype {a.dtype}, quantization {a.quantization}, {a.new_tokens} new tokens, greedy, EOS ignored, "
           f"median of {a.repeats}")
-    engines, ids = {}, None
+    engines = {}
     for variant in a.variants.split(","):
         backend, wrapper = variant.split("/")
         cfg = EngineConfig(max_num_seqs=a.batch, max_model_len=2048, dtype=a.dtype, quantization=a.quantization,
@@ -49,7 +51,6 @@ def main(argv: list[str] | None = None) -> int:
         g = e.runner.graphs  # its buckets compile on first use: rebuilt here with this variant's options
         e.runner.graphs = DecodeGraphs(g.model, g.kv, g.attention, g.scratch, g.device, g.mode, 0.0,
                                        step_options={**STEP_OPTIONS, "cpp_wrapper": wrapper == "1"})
-        ids = [e.tokenizer.encode(x) for x in prompts]
         t0 = time.perf_counter()
         bench.run_engine(e, ids, a.batch, SamplingParams(max_tokens=16, ignore_eos=True), None, "warm")
         print(f"  {variant}: warm-up (compiles) {time.perf_counter() - t0:.1f} s", flush=True)

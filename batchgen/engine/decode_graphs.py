@@ -50,7 +50,7 @@ UNMEASURED_COMPILE_S = 30.0  # the compile cost assumed before one has been meas
 # Python calls a layer, about 1 ms of a 21 ms batch-1 step (SmolLM2-135M, 2-core Zen 4). A bucket's
 # inputs are its own static buffers, the weights and the KV pool: the same tensors every call, whose
 # shapes and strides Dynamo's guards already check before the compiled code runs. cpp_wrapper: the
-# wrapper that calls the step's kernels is C++ too, not Python (2026-12-03, 2-core Zen 4, median of 3,
+# wrapper that calls the step's kernels is C++ too, not Python (2026-12-03, 2-core Xeon with AMX, median of 3,
 # interleaved: batch 1 on the GGUF blocks 147 -> 157 decode tok/s; batch 64 bf16 1456 -> 1540).
 STEP_OPTIONS = MappingProxyType({"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False,
                                  "cpp_wrapper": True})
