@@ -104,3 +104,22 @@ def test_llama_cpp_runs_the_shipped_gguf_as_a_peer(real_model_dir):
                             max_model_len=512, compile="off")
     # llama.cpp quantizes activations to 8 bits for its Q4_1 products; the first tokens still agree
     assert agreement([ours[str(i)] for i in range(3)], got["outputs"]) >= 0.5
+
+
+def test_the_step_profiler_splits_each_phase_into_classes(tiny_model_dir):
+    """python -m batchgen.benchmarks.profile on the tiny model: both phases measured, every class's share
+    between 0 and 1 and the shares summing to 1; and the op names land in the classes they should."""
+    from batchgen.benchmarks import profile
+
+    assert profile.classify("batchgen_gemv::gemv") == profile.classify("aten::addmm") == "GEMM"
+    assert profile.classify("batchgen_attention::paged") == "attention"
+    assert profile.classify("aten::argmax") == profile.classify("batchgen_sample::sample") == "sampling"
+    assert profile.classify("aten::index_select") == "other ops"
+    row = profile.profile_batch(tiny_model_dir, 2, decode_steps=3, compile_="off")
+    assert set(row["phases"]) == {"prefill", "decode"}
+    for phase in row["phases"].values():
+        assert phase["steps"] > 0 and phase["wall_s"] > 0
+        assert set(phase["shares"]) == set(profile.CLASSES) and all(0 <= v <= 1 for v in phase["shares"].values())
+        assert abs(sum(phase["shares"].values()) - 1) < 1e-9
+    assert row["phases"]["decode"]["shares"]["GEMM"] > 0 and row["phases"]["decode"]["shares"]["attention"] > 0
+    assert "GEMM" in profile.format_rows([row])
