@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -24,16 +25,20 @@ class FanOut(BaseModel):
                                   description="1 on GPU workers: Ray then pins one GPU to each shard task")
 
 
-# This process's worker: the engine it keeps loaded across shard tasks (and flow runs), the attempt it
-# records into per run, its fault injection. The library holds no process state; a task, in a thread
-# of the flow's process or in a Ray worker process, finds the process's one worker here.
-WORKER = Worker()
+@functools.cache
+def process_worker() -> Worker:
+    """This process's worker: the engine it keeps loaded across shard tasks (and flow runs), the
+    attempt it records into per run, its fault injection. The library holds no process state; a task,
+    in a thread of the flow's process or in a Ray worker process, finds its process's one worker here
+    (made on first use in that process; a task shipped to Ray carries a reference to this function,
+    never a loaded engine)."""
+    return Worker()
 
 
 @task(retries=2, retry_delay_seconds=10, task_run_name="shard-{index}")
 def generate_shard(settings: GenerateSettings, run_path: str, index: int) -> dict[str, Any]:
     """Generate and commit one shard (a committed shard is skipped, a partial one redone)."""
-    manifest = run_shard_in_worker(settings.to_run_config(), run_path, index, WORKER)
+    manifest = run_shard_in_worker(settings.to_run_config(), run_path, index, process_worker())
     return {**manifest, "worker": _worker_name()}
 
 
@@ -99,7 +104,7 @@ def generate(settings: GenerateSettings, fanout: FanOut = FanOut()) -> dict[str,
     if settings.run_id is None:  # a retried flow run must land in the same run directory
         settings = settings.model_copy(update={"run_id": f"flow-{flow_run.get_id()[:8]}"})
     settings = settings.model_copy(update={"progress": False})
-    opened = open_run(settings.to_run_config(), WORKER.faults)
+    opened = open_run(settings.to_run_config(), process_worker().faults)
     logger.info("run %s: %s rows in %s shards%s", opened.run.path, opened.dataset.num_rows, opened.num_shards,
                 " (resuming)" if opened.resumed else "")
     try:

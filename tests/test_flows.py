@@ -162,7 +162,8 @@ def test_a_dying_engine_fails_the_shard_which_is_retried_and_resumed(tmp_path, t
         return engine
 
     # the flow process's worker, as a fresh process has it (no engine loaded), making doubles
-    monkeypatch.setattr(flows_generate, "WORKER", Worker(create=create))
+    worker = Worker(create=create)
+    monkeypatch.setattr(flows_generate, "process_worker", lambda: worker)
     result = generate(settings_for(tmp_path, tiny_model_dir, run_id="flaky"))
     assert FlakyEngineDouble.failures_left == 0 and len(created) == 2  # the retry got a fresh engine
     assert result["rows"] == 8 and ids_in(result["run_dir"]) == [f"f{i}" for i in range(8)]

@@ -19,13 +19,6 @@ from pathlib import Path
 
 N_BATCH = 2048  # tokens per llama_decode call (prompts are fed in chunks of this many)
 
-def _cpu_flags() -> str:
-    try:
-        return next((l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
 def llama_cpp_available() -> str | None:
     """None where llama-cpp-python imports; else why not."""
     try:
@@ -46,7 +39,9 @@ class LlamaCppRunner:
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
         self.note = None
-        if "amx_int8" in _cpu_flags():
+        from batchgen.metrics.conditions import cpu_features
+
+        if "amx_tile" in cpu_features():
             # llama.cpp repacks Q4_1 weights for AMX where the CPU has it, and that path segfaults in
             # ggml_backend_amx_mul_mat at the first decode (llama-cpp-python 0.3.36, 2-core Xeon with AMX,
             # 2026-12-03): its plain CPU kernels run instead, as a user who hits the crash would run it
