@@ -264,8 +264,9 @@ class EngineConfig:
     max_num_batched_tokens: int = setting(4096, ge=1, title="Max tokens per step",
                                           help="decode tokens plus chunks of prompts, in one forward pass")
     dtype: str = setting("auto", choices=("auto",) + DTYPES, title="Dtype",
-                         help="auto: the weight dtype measured fastest on this machine for max_num_seqs (native "
-                              "engine; vLLM applies its own auto rule)")
+                         help="auto: the weight dtype measured fastest on this machine (native engine; vLLM applies its "
+                              "own auto rule): with batch_invariant on, among the batch-invariant kernels, for the "
+                              "machine alone; off, among all, for the batch band of max_num_seqs")
     device: str = setting("cpu", pattern=r"cpu|cuda(:\d+)?", title="Device", help="cpu, cuda or cuda:N")
     enable_kv_cache: bool = True  # False recomputes the whole history every step (the lab)
     attention_backend: str = setting(
@@ -292,8 +293,9 @@ class EngineConfig:
     fp32_kernel: str = setting(
         "auto", choices=FP32_KERNELS, title="float32 CPU matmul (native engine)",
         help="gemv: batchgen's kernel, built once per machine for its vector instructions (needs a C++ compiler); "
-             "onednn: oneDNN's prepacked kernel; auto: the faster of the two at the batch band nearest "
-             "max_num_seqs, measured once per machine (oneDNN's where gemv does not build)")
+             "onednn: oneDNN's prepacked kernel; auto: gemv with batch_invariant on (its row sums do not depend on "
+             "the batch), else the faster of the two at the batch band nearest max_num_seqs, measured once per "
+             "machine (oneDNN's where gemv does not build)")
     sampler: str = setting(
         "auto", choices=SAMPLER_KERNELS, title="Sampler (native engine)",
         help="fused: temperature, top-k and top-p in one C++ call per step, built once per machine (needs a C++ "
@@ -302,6 +304,13 @@ class EngineConfig:
         "auto", choices=ON_OFF, title="CUDA graphs (native engine)",
         help="decode steps padded to static buckets and replayed as CUDA graphs; auto: on CUDA with the PyTorch "
              "paged attention (on CPU, on runs the same buckets without graphs)")
+    batch_invariant: str = setting(
+        "on", choices=("on", "off"), title="Batch-invariant outputs (native engine, CPU)",
+        help="on: a row's tokens do not depend on max_num_seqs, the rows beside it, chunking or a resume (dtype "
+             "auto picks, by the machine alone, among kernels that sum each row in a fixed order: float32 on "
+             "batchgen's gemv, the model's GGUF blocks); off: the fastest kernels for the batch band of "
+             "max_num_seqs (e.g. bf16 on oneDNN), whose sums depend on the batch. The run's conditions say "
+             "which held")
     seed: int = setting(0, title="Run seed", help="rows without a seed column derive theirs from it and their id")
 
     def __post_init__(self) -> None:
@@ -322,6 +331,14 @@ class EngineConfig:
                  f"quantization int4 runs its activations in bfloat16 (PyTorch's int4 CPU kernel; with float32 "
                  f"activations it takes a reference path measured 15x slower): use dtype auto or bfloat16, "
                  f"not {self.dtype!r}")
+
+    @property
+    def asks_batch_invariance(self) -> bool:
+        """Whether these settings ask for batch-invariant rows that the native engine's CPU kernels give:
+        batch_invariant on, on CPU, with a dtype and kernel that can be (the engine's conditions say
+        whether it held, e.g. without a C++ compiler it cannot)."""
+        return (self.batch_invariant == "on" and self.device == "cpu" and self.dtype in ("auto", "float32")
+                and self.fp32_kernel != "onednn" and self.quantization != "int4")
 
     def kv_pool_bytes(self, bytes_per_token: int, free_bytes: int) -> int:
         """The KV pool's size in bytes, for either engine; `free_bytes`: the device's free memory once

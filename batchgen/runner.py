@@ -63,10 +63,21 @@ class OpenRun:
         return self.dataset.num_shards(self.cfg.shard_size)
 
 
+# Settings that only shape the batches: under batch invariance they cannot change a row's tokens, so a
+# resume may change them (resume a crashed run with wider batches on a bigger machine)
+BATCH_SHAPE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_cache_memory_fraction",
+                        "kv_cache_tokens", "block_size", "enable_prefix_caching", "compile", "cuda_graphs")
+
+
 def run_identity(cfg: RunConfig, model_dir: Path, input_fingerprint: str) -> dict[str, Any]:
-    """What must not change under one run id (a resume with other settings is refused)."""
+    """What must not change under one run id (a resume with other settings is refused). With batch
+    invariance on, the settings that only shape batches are left out (BATCH_SHAPE_SETTINGS)."""
+    engine_config = asdict(cfg.engine_config)
+    if cfg.engine == "native" and cfg.engine_config.asks_batch_invariance:
+        for name in BATCH_SHAPE_SETTINGS:
+            engine_config.pop(name)
     identity = {"engine": cfg.engine, "model_fingerprint": model_fingerprint(model_dir),
-                "engine_config": asdict(cfg.engine_config), "sampling": asdict(cfg.sampling),
+                "engine_config": engine_config, "sampling": asdict(cfg.sampling),
                 "engine_options": [list(p) for p in cfg.engine_options], "input_fingerprint": input_fingerprint,
                 "shard_size": cfg.shard_size, "too_long": cfg.too_long,
                 "chat_template_kwargs": [list(p) for p in cfg.chat_template_kwargs], "n": cfg.n,

@@ -80,15 +80,15 @@ def test_auto_is_measured_once_and_recorded_in_the_conditions(tmp_path, monkeypa
         return real(device, repeats=1, fp32_width=fp32_width)
 
     monkeypatch.setattr(precision, "measure_dtype_speeds", counting)
-    e = NativeEngine(tiny_model_dir, EngineConfig(max_num_seqs=4, max_model_len=64))
+    e = NativeEngine(tiny_model_dir, EngineConfig(max_num_seqs=4, max_model_len=64, batch_invariant="off"))
     c = e.conditions()
     assert c["dtype"] in precision.CANDIDATES and c["dtype_choice"].startswith("auto: fastest at batch band 8")
     assert "measured in this run" in c["dtype_choice"]
-    e2 = NativeEngine(tiny_model_dir, EngineConfig(max_num_seqs=4, max_model_len=64))
+    e2 = NativeEngine(tiny_model_dir, EngineConfig(max_num_seqs=4, max_model_len=64, batch_invariant="off"))
     assert "cached" in e2.conditions()["dtype_choice"] and calls == [("cpu", precision.record_name("cpu")[1])]
     # float32 timed on the kernel the engine runs it on; oneDNN's fp32 is a record of its own
     assert ("float32 on gemv" if calls[0][1] else "float32 on oneDNN") in c["dtype_choice"]
-    e3 = NativeEngine(tiny_model_dir, EngineConfig(max_num_seqs=4, max_model_len=64, fp32_kernel="onednn"))
+    e3 = NativeEngine(tiny_model_dir, EngineConfig(max_num_seqs=4, max_model_len=64, fp32_kernel="onednn", batch_invariant="off"))
     assert "float32 on oneDNN" in e3.conditions()["dtype_choice"]
     assert len(calls) == (2 if calls[0][1] else 1)
 
@@ -177,7 +177,7 @@ def test_the_engine_runs_float32_on_the_kernel_auto_takes_for_its_band(tmp_path,
 
     def layout(max_num_seqs, kernel="auto"):
         e = NativeEngine(tiny_model_dir, EngineConfig(dtype="float32", max_num_seqs=max_num_seqs, max_model_len=64,
-                                                      fp32_kernel=kernel))
+                                                      fp32_kernel=kernel, batch_invariant="off"))
         return e.conditions()["weight_layout"]
 
     assert layout(2).startswith("gemv") and "auto: gemv at batch band 1" in layout(2)

@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 
 from batchgen.config import DTYPE_BYTES, EngineConfig, batchgen_home
-from batchgen.engine.attention import TorchPagedAttention, select_backend
+from batchgen.engine.attention import CpuPagedAttention, TorchPagedAttention, select_backend
 from batchgen.engine.attention_metadata import DECODE_KEYS, FAR, PREFILL_KEYS, PREFILL_TILE, AttentionMetadata, TileGroup
 from batchgen.engine.decode_graphs import DecodeGraphs
 from batchgen.engine.kv_cache import PagedKVCache, free_memory_bytes
-from batchgen.engine.precision import decode_matrices, resolve_dtype, resolve_fp32_kernel, resolve_gguf
+from batchgen.engine.precision import (INVARIANT_BATCH, decode_matrices, resolve_dtype, resolve_fp32_kernel,
+                                       resolve_gguf)
 from batchgen.engine.request import Request
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import Chunk
@@ -83,6 +84,9 @@ class ModelRunner:
         why that dtype, and the weight format (`--dtype auto` on CPU takes the model's own GGUF blocks
         where they measure faster: batchgen.engine.precision.resolve_gguf)."""
         fp32, fp32_why, quantization = config.fp32_kernel, None, config.quantization
+        # a batch-invariant run chooses by the machine alone (precision.INVARIANT_BATCH), never by max_num_seqs
+        invariant = config.batch_invariant == "on" and config.device == "cpu"
+        batch = INVARIANT_BATCH if invariant else config.max_num_seqs
         if config.quantization == "int4":
             if not can_int4(config.device):
                 raise ValueError(f"quantization int4 needs PyTorch's int4 CPU kernel; device {config.device!r} "
@@ -93,12 +97,12 @@ class ModelRunner:
         else:
             if config.dtype in ("auto", "float32") and config.pack_weights and config.device == "cpu":
                 # float32's kernel for this batch band first: `--dtype auto` compares float32 on it
-                fp32, fp32_why = resolve_fp32_kernel(config.fp32_kernel, config.device, config.max_num_seqs,
-                                                     decode_matrices(c))
-            dtype, why = resolve_dtype(config.dtype, config.device, config.max_num_seqs, fp32)
+                fp32, fp32_why = resolve_fp32_kernel(config.fp32_kernel, config.device, batch, decode_matrices(c),
+                                                     invariant)
+            dtype, why = resolve_dtype(config.dtype, config.device, batch, fp32, invariant)
             if config.dtype == "auto" and config.device == "cpu" and config.pack_weights:
                 width = fp32_kernel(fp32, config.device)[0] if dtype == "float32" else None
-                take, gguf_why = resolve_gguf(model_dir, c, dtype, width, config.max_num_seqs)
+                take, gguf_why = resolve_gguf(model_dir, c, dtype, width, batch)
                 if take:
                     quantization, dtype = "gguf", "float32"
                     why = f"auto: the model's GGUF blocks (float32 activations), {gguf_why}; dense: {why}"
@@ -164,7 +168,27 @@ class ModelRunner:
             "sampler": self.sampler.name, "compile": compile_,
             "compile_s": g.compile_s if g is not None and g.mode == "compile" else self.compile_s,
             "cuda_graphs": "off" if g is None else g.describe(),
+            "batch_invariant": self.batch_invariance(),
         }
+
+    def batch_invariance(self) -> str:
+        """"on: ..." where every part of the step sums each row in an order that does not depend on the
+        batch (so a row's tokens do not depend on max_num_seqs, its neighbours, chunking or a resume),
+        else "off: why". Request keys (batchgen.data.reuse) exist only for "on" runs."""
+        if self.config.batch_invariant == "off":
+            return "off: as asked (the fastest kernels for max_num_seqs' batch band)"
+        if self.device != "cpu":
+            return f"off: the native engine has no batch-invariant kernels on {self.device}"
+        mats = [m for l in self.model.layers for m in (l.qkv, l.o, l.gate_up, l.down)] + [self.model.lm_head]
+        loose = sorted({m.layout for m in mats if not (isinstance(m, ggml.BlockLinear) or
+                                                       getattr(m, "blocked", None) is not None)})
+        if loose:
+            return (f"off: {self.dtype} weights on {', '.join(loose)}, whose row sums depend on the batch "
+                    f"(dtype auto or float32 with fp32_kernel gemv/auto is batch-invariant)")
+        if self.attention is not None and not isinstance(self.attention, CpuPagedAttention):
+            return f"off: attention {self.attention.name} (batchgen's C++ kernel is the batch-invariant one)"
+        kernels = "GGUF blocks on qgemv" if self.quantization == "gguf" else f"{self.dtype} on gemv"
+        return f"on: {kernels}, C++ paged attention, counter-hash sampling"
 
     def _quantization(self) -> str | None:
         if self.quantization == "int4":

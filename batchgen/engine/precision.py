@@ -24,6 +24,13 @@ from batchgen.config import ModelConfig
 from batchgen.model.linear import Linear, fp32_kernel
 
 BANDS = (1, 8, 64, 256)
+# A batch-invariant run (EngineConfig.batch_invariant, the default) chooses by the machine alone, never
+# by its max_num_seqs: for the band of this batch (the default max_num_seqs'), and only among kernels
+# that sum each row in one fixed order whatever the rows beside it: float32 on batchgen's gemv and
+# the model's GGUF blocks on qgemv. oneDNN's bf16/fp16 (and fp32) GEMMs pick their blocking by the
+# number of rows and threads: measured on a 2-core Xeon with AMX, a row of a bf16 [960 x 576] product
+# came out the same alone and among 1..32 rows, differed among 33..500, and agreed again at 512.
+INVARIANT_BATCH = 32
 CANDIDATES = ("float32", "bfloat16", "float16")
 # ~200 MB at fp32 (100 MB at 16 bits): past any CPU's caches, so batch 1 is bandwidth-bound as in decode
 _SHAPES = ((3072, 1024), (1024, 3072), (4096, 1024), (1024, 1024)) * 5
@@ -111,18 +118,20 @@ FP32_KERNEL_MARGIN = 1.05
 
 
 def resolve_fp32_kernel(requested: str, device: str, batch: int,
-                        shapes: list[tuple[int, int]] | None = None) -> tuple[str, str]:
+                        shapes: list[tuple[int, int]] | None = None, invariant: bool = False) -> tuple[str, str]:
     """(gemv | onednn, why) for float32 weights. gemv streams the weights once for a few rows and wins
     at decode's small batches; oneDNN's blocked GEMM reuses each tile across many rows and wins as
     the batch grows (measured on a 2-core Zen 3, 20 matrices of 1024 x 3072: gemv 1.55x at batch 1,
     1.20x at 8, level at 64, 0.87x at 256). So `auto` takes, for the band nearest max_num_seqs, the
     faster of the two from a crossover measured once per machine and model shape (`shapes`, see
-    decode_matrices; seconds) and cached."""
+    decode_matrices; seconds) and cached. `invariant` (a batch-invariant run): gemv wherever it builds."""
     if requested != "auto":
         return requested, "as requested"
     width, why = fp32_kernel("auto", device)
     if width is None:
         return "onednn", f"gemv unavailable: {why}"
+    if invariant:
+        return "gemv", "batch-invariant: gemv, whose row sums do not depend on the batch"
     from batchgen.metrics.probe import cached_measurement
 
     m = cached_measurement(fp32_kernel_record(width, shapes), device,
@@ -148,14 +157,20 @@ def record_name(device: str, fp32: str = "auto") -> tuple[str, int | None]:
     return ("-dtype" if width is None else f"-dtype-gemv{width}"), width
 
 
-def resolve_dtype(requested: str, device: str, batch: int, fp32: str = "auto") -> tuple[str, str]:
+def resolve_dtype(requested: str, device: str, batch: int, fp32: str = "auto",
+                  invariant: bool = False) -> tuple[str, str]:
     """(dtype, why). An explicit dtype is taken as asked. `fp32`: float32's kernel choice
-    (batchgen.config.FP32_KERNELS), which the crossover is measured against."""
+    (batchgen.config.FP32_KERNELS), which the crossover is measured against. `invariant` (a
+    batch-invariant run on CPU): float32, where it runs on gemv, the one dense kernel whose row sums do
+    not depend on the batch."""
     if requested != "auto":
         return requested, "as requested"
     if device.startswith("cuda"):
         dt = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
         return dt, f"auto on CUDA: {dt}"
+    if invariant and fp32 == "gemv":
+        return "float32", ("auto, batch-invariant: float32 on gemv (bf16 and fp16 run on oneDNN, whose row sums "
+                           "depend on the batch)")
     from batchgen.metrics.probe import cached_measurement
 
     name, width = record_name(device, fp32)

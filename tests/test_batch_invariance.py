@@ -1,0 +1,146 @@
+"""Batch invariance (EngineConfig.batch_invariant, on by default): a row's tokens do not depend on
+max_num_seqs, the rows beside it, chunked prefill, prefix-cache hits or preemption. Checked on the real
+model, greedy and seeded sampling side by side, in each weight format `--dtype auto` can choose on a
+CPU (float32 on gemv, the model's GGUF blocks), and off where asked."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.config import SamplingParams
+from batchgen.model import ggml, gemv
+from batchgen.config import EngineConfig
+from batchgen.engine.native import NativeEngine
+from conftest import TEST_DATA
+
+GEMV = gemv.load()
+needs_gemv = pytest.mark.needs(f"gemv kernel unavailable: {GEMV}" if isinstance(GEMV, str) else None,
+                               "BATCHGEN_REQUIRE_KERNELS")
+ISA = ggml.load()
+needs_qgemv = pytest.mark.needs(f"qgemv kernel unavailable: {ISA}" if isinstance(ISA, str) else None,
+                                "BATCHGEN_REQUIRE_KERNELS")
+
+MAX_TOKENS = 12
+
+
+def prompts() -> list[str]:
+    """Ten real prompts; four share a long first part, so prefix-cache hits happen (and which row pays
+    for the prefix depends on the batch)."""
+    rows = pq.read_table(TEST_DATA / "alpaca_seed_prompts.parquet").column("prompt").to_pylist()
+    shared = "You are a careful assistant. Answer in one short paragraph, plainly. " * 3
+    return rows[:6] + [shared + q for q in rows[6:10]]
+
+
+def sampling(i: int) -> SamplingParams:  # even rows greedy, odd rows sampled with their own seed
+    if i % 2 == 0:
+        return SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=7 + i, ignore_eos=True)
+
+
+# the batches a row can land in: alone; 7 at a time with prompts cut into 24-token chunks; all at once
+# in a pool too small for all of them (preemption); each run's own batch composition differs
+SHAPES = {
+    "max_num_seqs=1": dict(max_num_seqs=1),
+    "max_num_seqs=7, chunked prefill": dict(max_num_seqs=7, max_num_batched_tokens=24),
+    "max_num_seqs=64, preempted": dict(max_num_seqs=64, kv_cache_tokens=320, block_size=16),
+}
+
+
+def engine_tokens(model_dir, texts: list[str], **config) -> tuple[dict, dict]:
+    """(request id -> output token ids, the engine's conditions with the run's preemptions and cache hits)."""
+    e = NativeEngine(model_dir, EngineConfig(**config))
+    for i, p in enumerate(texts):
+        e.add(str(i), e.tokenizer.encode(p), sampling(i))
+    out, preempted, cached = {}, 0, 0
+    while e.has_unfinished():
+        for f in e.step().finished:
+            out[f.request_id] = f.output_token_ids
+            preempted += f.num_preemptions
+            cached += f.num_cached_tokens
+    return out, {**e.conditions(), "preemptions": preempted, "cached_tokens": cached}
+
+
+def run_shapes(model_dir, **config) -> tuple[dict[str, dict], dict[str, dict]]:
+    outs, conds = {}, {}
+    for name, shape in SHAPES.items():
+        outs[name], conds[name] = engine_tokens(model_dir, prompts(), **shape, **config)
+    assert conds["max_num_seqs=64, preempted"]["preemptions"] > 0  # the shapes do what they say
+    assert any(c["cached_tokens"] for c in conds.values())
+    return outs, conds
+
+
+def assert_invariant(outs: dict[str, dict]) -> None:
+    first, *rest = outs.values()
+    assert len(first) == len(prompts()) and all(len(t) == MAX_TOKENS for t in first.values())
+    for name, out in outs.items():
+        differ = sorted(rid for rid in first if out[rid] != first[rid])
+        assert not differ, f"{name}: rows {differ} differ from {next(iter(outs))}"
+
+
+@needs_gemv
+def test_float32_rows_do_not_depend_on_the_batch(real_model_dir):
+    outs, conds = run_shapes(real_model_dir, dtype="float32")
+    assert_invariant(outs)
+    for c in conds.values():
+        assert c["batch_invariant"].startswith("on:") and "gemv" in c["weight_layout"], c
+
+
+@needs_qgemv
+def test_gguf_blocks_rows_do_not_depend_on_the_batch(real_model_dir):
+    outs, conds = run_shapes(real_model_dir, quantization="gguf")
+    assert_invariant(outs)
+    assert all(c["batch_invariant"].startswith("on: GGUF blocks") for c in conds.values())
+
+
+@needs_gemv
+def test_auto_chooses_by_the_machine_not_by_max_num_seqs(real_model_dir):
+    """With batch invariance on (the default), `--dtype auto` gives the same dtype and weight format at
+    every max_num_seqs; off, it may pick per batch band (and says so)."""
+    got = set()
+    for mns in (1, 7, 256):
+        _, c = engine_tokens(real_model_dir, prompts()[:1], max_num_seqs=mns)
+        assert c["batch_invariant"].startswith("on:"), c["batch_invariant"]
+        got.add((c["dtype"], c["quantization"], c["weight_layout"].split(" (")[0]))
+    assert len(got) == 1, got
+
+
+def test_a_kernel_that_sums_by_the_batch_says_invariance_is_off(real_model_dir):
+    _, c = engine_tokens(real_model_dir, prompts()[:1], dtype="float32", fp32_kernel="onednn")
+    assert c["batch_invariant"].startswith("off: float32 weights on onednn-packed"), c["batch_invariant"]
+    _, c = engine_tokens(real_model_dir, prompts()[:1], dtype="float32", batch_invariant="off")
+    assert c["batch_invariant"] == "off: as asked (the fastest kernels for max_num_seqs' batch band)"
+
+
+def cli(inp, out, model, run_id, max_num_seqs, *extra) -> list[str]:
+    return ["generate", "--input", str(inp), "--output", str(out), "--run-id", run_id, "--model", str(model),
+            "--max-tokens", "8", "--max-model-len", "256", "--shard-size", "4", "--max-num-seqs", str(max_num_seqs),
+            "--temperature", "0.8", "--top-p", "0.95", "--seed", "7", "--ignore-eos", "--no-progress", *extra]
+
+
+@needs_gemv
+def test_kill_and_resume_with_wider_batches_gives_the_same_rows(tmp_path, real_model_dir):
+    """SIGKILL in the middle of shard 1, resume with max_num_seqs 5 instead of 2 (the batch-shaping
+    settings may change on resume when the run is batch-invariant): every row equals a clean run's at
+    max_num_seqs 1, sampled rows included."""
+    from conftest import read_run_table, run_cli_subprocess, write_prompts
+
+    inp = write_prompts(tmp_path / "in.parquet", prompts(), ids=[f"r{i}" for i in range(len(prompts()))])
+    out = tmp_path / "runs"
+    killed = run_cli_subprocess(cli(inp, out, real_model_dir, "crash", 2), kill_at="step:24")
+    assert killed.returncode == -9, killed.stderr
+    assert len(list((out / "crash" / "_manifests").glob("*.json"))) == 1  # shard 0 committed, shard 1 was running
+    resumed = run_cli_subprocess(cli(inp, out, real_model_dir, "crash", 5))
+    assert resumed.returncode == 0 and "(resumed)" in resumed.stdout, resumed.stderr
+    clean = run_cli_subprocess(cli(inp, out, real_model_dir, "clean", 1))
+    assert clean.returncode == 0, clean.stderr
+
+    def rows(run):
+        return {r["id"]: r["output_token_ids"] for r in read_run_table(out / run, "requests").to_pylist()}
+
+    assert rows("crash") == rows("clean") and len(rows("clean")) == len(prompts())
+    # without invariance the batch shape is part of the run's identity: a resume that changes it is refused
+    off = cli(inp, out, real_model_dir, "off", 2, "--batch-invariant", "off", "--max-tokens", "1")
+    assert run_cli_subprocess(off).returncode == 0
+    refused = run_cli_subprocess(off[:-2] + ["--max-num-seqs", "5", "--max-tokens", "1"])
+    assert refused.returncode == 2 and "engine settings" in refused.stderr, refused.stderr
