@@ -35,7 +35,8 @@ def cmd_generate(args) -> int:
 
     summary = generate(settings.to_run_config(), on_start=started)
     rate = summary.output_tokens / summary.wall_s if summary.wall_s else 0.0
-    print(f"run {summary.run_dir}: {summary.rows} rows -> {summary.ok} outputs, {summary.errors} errors, "
+    reused = f" ({summary.reused} reused, {summary.ok - summary.reused} generated)" if summary.reused else ""
+    print(f"run {summary.run_dir}: {summary.rows} rows -> {summary.ok} outputs{reused}, {summary.errors} errors, "
           f"{summary.shards} shards{' (resumed)' if summary.resumed else ''}; "
           f"{summary.output_tokens} tokens generated in {summary.wall_s:.1f}s ({rate:.1f} tok/s incl. start-up)")
     return 0
@@ -114,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated: native, vllm (through batchgen), hf (the naive baseline), and the outside "
                             "peers llama.cpp (llama-cpp-python on the model's GGUF) and vllm-generate (vLLM's own "
                             "LLM.generate, fp32 and bf16); a peer that is not installed is left out with a line")
-    bench.add_argument("--native-variants", default="eager,compiled,onednn,auto,int4,gguf",
+    bench.add_argument("--native-variants", default="eager,compiled,onednn,auto,loose,int4,gguf",
                        help="the native engine's variants to measure (comma-separated)")
     bench.add_argument("--batches", default="1,8,64,256", help="requests in flight, comma-separated")
     bench.add_argument("--modes", default="greedy,sampled", help="greedy, sampled (T 0.7, top-p 0.95)")

@@ -337,7 +337,7 @@ class EngineConfig:
         """Whether these settings ask for batch-invariant rows that the native engine's CPU kernels give:
         batch_invariant on, on CPU, with a dtype and kernel that can be (the engine's conditions say
         whether it held, e.g. without a C++ compiler it cannot)."""
-        return (self.batch_invariant == "on" and self.device == "cpu" and self.dtype in ("auto", "float32")
+        return (self.batch_invariant == "on" and self.device == "cpu" and self.dtype in ("auto", "float32", "bfloat16")
                 and self.fp32_kernel != "onednn" and self.quantization != "int4")
 
     def kv_pool_bytes(self, bytes_per_token: int, free_bytes: int) -> int:
@@ -376,6 +376,8 @@ class RunConfig:
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()  # template variables for every row, as sorted pairs
     lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, local adapter dir) a row's lora column picks from
     keep_columns: tuple[str, ...] = ()  # input columns carried into requests/ and errors/
+    # earlier runs whose rows of the same request key are copied instead of generated (batchgen.data.reuse)
+    reuse_from: tuple[str, ...] = ()
     n: int = setting(1, ge=1, le=1024, title="Samples per prompt",
                      help="each sample is its own row in requests/ with sample_index (a row's n column wins)")
     output_format: str = setting("parquet", choices=OUTPUT_FORMATS, title="Output format",

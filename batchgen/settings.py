@@ -66,7 +66,8 @@ class _Settings(BaseModel):
                                     **take(SAMPLING_FIELDS)),
             engine_options=tuple(sorted(self.vllm.items())),
             chat_template_kwargs=tuple(sorted(self.chat_template_kwargs.items())),
-            keep_columns=tuple(self.keep_columns), lora_adapters=tuple(sorted(self.lora_adapters.items())))
+            keep_columns=tuple(self.keep_columns), lora_adapters=tuple(sorted(self.lora_adapters.items())),
+            reuse_from=tuple(self.reuse_from))
 
 
 GenerateSettings = create_model(
@@ -92,6 +93,10 @@ GenerateSettings = create_model(
     keep_columns=(list[str], Field(default_factory=list, title="Input columns to keep",
                                    description="carried into requests/ and errors/, so outputs join back to their "
                                                "metadata")),
+    reuse_from=(list[str], Field(default_factory=list, title="Reuse rows from earlier runs",
+                                 description="run directories, directories of runs, globs or s3:// prefixes: rows "
+                                             "whose request key (model, dtype, prompt tokens, sampling, seed) an "
+                                             "earlier batch-invariant run committed are copied, not generated")),
     **{n: _from_config(EngineConfig, n) for n in ENGINE_FIELDS},
     **{n: _from_config(RunConfig, n) for n in ("shard_size", "too_long")},
     lora_adapters=(dict[str, str], Field(default_factory=dict, title="LoRA adapters (vLLM engine)",

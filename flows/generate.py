@@ -6,7 +6,7 @@ import functools
 from typing import Any
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.futures import as_completed
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -14,6 +14,9 @@ from pydantic import BaseModel, Field
 
 from batchgen.runner import Worker, abandon, finalize, open_run, run_shard_in_worker
 from batchgen.settings import GenerateSettings
+
+
+ROWS_KEY = "batchgen-rows"  # the artifact that says what a run did with its rows
 
 
 class FanOut(BaseModel):
@@ -115,5 +118,8 @@ def generate(settings: GenerateSettings, fanout: FanOut = FanOut()) -> dict[str,
         raise
     summary = finalize(opened)
     logger.info("run %s complete: %s", opened.run.path, summary)
+    create_table_artifact([{"run": opened.run.name, "rows": summary["rows"], "generated": summary["ok"] - summary["reused"],
+                            "reused": summary["reused"], "errors": summary["errors"], "shards": summary["shards"]}],
+                          key=ROWS_KEY, description="rows generated, reused from earlier runs (--reuse-from), errors")
     workers = sorted({m["worker"] for m in manifests})
     return {"run_dir": str(opened.run.path), **summary, "workers": workers}

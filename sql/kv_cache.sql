@@ -17,7 +17,7 @@ with per_step as (
 
 per_request as (
     select run_id, count(*) filter (where num_preemptions > 0) as requests_preempted
-    from requests
+    from generated
     group by run_id
 ),
 

@@ -20,7 +20,7 @@ latency as (
         run_id,
         quantile_cont(ttft_s, 0.99) as ttft_p99_s,
         quantile_cont(e2e_s, 0.99) as e2e_p99_s
-    from requests
+    from generated
     group by run_id
 ),
 

@@ -15,7 +15,7 @@ long as (  -- one row per request and metric; a null (no TPOT) still keeps its m
             when 'tpot_s' then r.tpot_s
             else r.e2e_s
         end as seconds
-    from requests as r
+    from generated as r
     cross join metrics as m
 ),
 

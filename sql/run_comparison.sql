@@ -34,7 +34,7 @@ ttft as (
     select run_id, q[1] as ttft_p50_s, q[2] as ttft_p99_s, tpot_p50_s
     from (
         select run_id, quantile_cont(ttft_s, [0.5, 0.99]) as q, quantile_cont(tpot_s, 0.5) as tpot_p50_s
-        from requests
+        from generated
         group by run_id
     )
 ),

@@ -10,7 +10,7 @@ lengths as (
         max(prompt_tokens) as prompt_tokens_max,
         quantile_cont(output_tokens, 0.5) as output_tokens_p50,
         max(output_tokens) as output_tokens_max
-    from requests
+    from generated
     group by run_id
 ),
 

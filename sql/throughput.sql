@@ -1,4 +1,5 @@
--- Run-level throughput over the window from the first step's start to the last step's end.
+-- Run-level throughput over the window from the first step's start to the last step's end, over the rows
+-- generated in the run (rows copied from earlier runs by --reuse-from are counted apart: run_status).
 with window_ as (
     select run_id, min(start_t) as first_start_t, max(end_t) as last_end_t, count(*) as num_steps
     from steps
@@ -11,7 +12,7 @@ work as (
         count(*) as num_requests,
         sum(output_tokens)::bigint as output_tokens,
         sum(prompt_tokens)::bigint as prompt_tokens
-    from requests
+    from generated
     group by run_id
 ),
 

@@ -1,7 +1,7 @@
 -- The TTFT distribution as 100 quantiles per run (a CDF that stays small for any number of requests).
 with per_run as (
     select run_id, quantile_cont(ttft_s, [x / 100 for x in range(1, 101)]) as values_s, count(*) as n
-    from requests
+    from generated
     group by run_id
 ),
 

@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.config import SamplingParams
-from batchgen.model import ggml, gemv
+from batchgen import kernels
+from batchgen.model import bgemm, ggml, gemv
 from batchgen.config import EngineConfig
 from batchgen.engine.native import NativeEngine
 from conftest import TEST_DATA
@@ -17,6 +18,7 @@ from conftest import TEST_DATA
 GEMV = gemv.load()
 needs_gemv = pytest.mark.needs(f"gemv kernel unavailable: {GEMV}" if isinstance(GEMV, str) else None,
                                "BATCHGEN_REQUIRE_KERNELS")
+BGEMM = bgemm.load()
 ISA = ggml.load()
 needs_qgemv = pytest.mark.needs(f"qgemv kernel unavailable: {ISA}" if isinstance(ISA, str) else None,
                                 "BATCHGEN_REQUIRE_KERNELS")
@@ -91,6 +93,18 @@ def test_gguf_blocks_rows_do_not_depend_on_the_batch(real_model_dir):
     outs, conds = run_shapes(real_model_dir, quantization="gguf")
     assert_invariant(outs)
     assert all(c["batch_invariant"].startswith("on: GGUF blocks") for c in conds.values())
+
+
+@pytest.mark.needs(f"bgemm kernel unavailable: {BGEMM}" if BGEMM and "avx512_bf16" not in kernels._cpu_flags()
+                   else None, "BATCHGEN_REQUIRE_BGEMM")
+def test_bfloat16_rows_do_not_depend_on_the_batch_compiled_or_not(real_model_dir):
+    """bf16 on batchgen's bgemm; with the decode step compiled too (a decode row runs compiled in a
+    decode-only step and eager beside a prompt chunk: the compiled step rounds where eager does)."""
+    for compile_ in ("off", "on"):
+        outs, conds = run_shapes(real_model_dir, dtype="bfloat16", compile=compile_)
+        assert_invariant(outs)
+        assert all(c["batch_invariant"].startswith("on: bfloat16 on bgemm") for c in conds.values())
+        assert all(c["weight_layout"].startswith("bgemm-tiled") for c in conds.values())
 
 
 @needs_gemv

@@ -16,7 +16,7 @@ def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, 
     grid = [m for m in results if m.section == "grid"]
     # where fp32 runs batchgen's gemv kernel, oneDNN's is measured beside it (compiled)
     gemv_on = fp32_kernel("auto", "cpu")[0] is not None
-    compiled = ("native:compiled",) + ("native:onednn",) * gemv_on + ("native:auto", "native:int4")
+    compiled = ("native:compiled",) + ("native:onednn",) * gemv_on + ("native:auto", "native:loose", "native:int4")
     assert {(m.engine, m.batch, m.mode) for m in grid} == {
         (e, b, mode) for e in ("native", *compiled, "hf") for b in (1, 2) for mode in ("greedy", "sampled")}
     for m in grid:
@@ -42,6 +42,8 @@ def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, 
     assert "batch 1 fp32 decode MBU at the median step" in text and "sampled / greedy (native fp32), median " \
         "decode step" in text and "of the decode steps sampled" in text
     assert ("gemv kernel / oneDNN's (compiled), median decode step" in text) == gemv_on
+    # what batch invariance costs, at each batch: the default auto against auto with it off
+    assert all(f"batch {b} greedy, batch-invariant auto" in text for b in (1, 2))
     if gemv_on:  # and what `--fp32-kernel auto` takes at each batch, from this machine's crossover
         assert set(conditions["fp32_kernel_auto"]) == {"1", "2"}
         assert all(f"--fp32-kernel auto takes {k} at this batch" in text for k in conditions["fp32_kernel_auto"].values())

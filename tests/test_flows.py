@@ -42,6 +42,31 @@ def test_generate_flow_runs_one_task_per_shard_and_resumes(tmp_path, tiny_model_
     assert again["rows"] == 8 and ids_in(again["run_dir"]) == ids_in(result["run_dir"])
 
 
+def test_generate_flow_reuses_earlier_runs_and_says_so(tmp_path, tiny_model_dir):
+    """The nightly shape: the same rows again, with the output root as --reuse-from: nothing is generated
+    twice, and the run's artifact counts generated, reused and error rows."""
+    import json
+
+    import anyio
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactCollectionFilter
+
+    from flows.generate import ROWS_KEY, generate
+
+    first = generate(settings_for(tmp_path, tiny_model_dir, run_id="night1"))
+    assert first["reused"] == 0
+    second = generate(settings_for(tmp_path, tiny_model_dir, run_id="night2", reuse_from=[str(tmp_path / "runs")]))
+    assert second["ok"] == second["reused"] == 7 and second["errors"] == 1
+
+    async def latest():
+        async with get_client() as client:
+            return await client.read_latest_artifacts(artifact_filter=ArtifactCollectionFilter(key={"any_": [ROWS_KEY]}))
+
+    (art,) = anyio.run(latest)
+    data = art.data if isinstance(art.data, list) else json.loads(art.data)
+    assert data == [{"run": "night2", "rows": 8, "generated": 0, "reused": 7, "errors": 1, "shards": 3}]
+
+
 def test_report_flow_publishes_artifacts_under_stable_keys(tmp_path, tiny_model_dir):
     from prefect.client.orchestration import get_client
 

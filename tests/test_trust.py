@@ -203,6 +203,7 @@ def test_report_on_a_partial_run_says_so_and_reads_committed_shards_only(tmp_pat
     assert throughput["num_requests"] + throughput["num_errors"] == 4  # shard 1's orphan files are not counted
     status = pq.read_table(run / "report" / "run_status.parquet").to_pylist()[0]
     assert status == {"run_id": "r", "shards": 3, "shards_committed": 1, "rows": 10, "rows_committed": 4,
+                      "generated": throughput["num_requests"], "reused": 0, "errors": throughput["num_errors"],
                       "partial": True}
 
 

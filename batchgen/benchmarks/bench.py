@@ -46,8 +46,9 @@ MAX_PROMPT_TOKENS = 256  # longer held prompts are left out: one 1350-token prom
 # whole batch to 1350 (its real cost, but it would measure padding, and take an hour at batch 256)
 MODES = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p=0.95)}
 # the native engine's variants (`--native-variants`): fp32 eager; compiled; compiled on oneDNN's fp32
-# kernel; --dtype auto; int4 weights; the GGUF's own blocks
-NATIVE_VARIANTS = ("eager", "compiled", "onednn", "auto", "int4", "gguf")
+# kernel; --dtype auto (batch-invariant, the default); --dtype auto --batch-invariant off (`loose`: the
+# fastest kernels for the batch, whose rows depend on it); int4 weights; the GGUF's own blocks
+NATIVE_VARIANTS = ("eager", "compiled", "onednn", "auto", "loose", "int4", "gguf")
 COPY_TEMPLATE = "Repeat the following text exactly, word for word, and nothing else:\n\n{text}"
 
 
@@ -177,7 +178,8 @@ def run_engine(engine, prompt_ids: list[list[int]], batch: int, params: Sampling
 
 
 def make_engine(name: str, model_dir, dtype: str, max_num_seqs: int, max_model_len: int, kv_tokens: int,
-                k: int = 0, quantization: str = "none", compile_: str = "off", fp32_kernel: str = "auto"):
+                k: int = 0, quantization: str = "none", compile_: str = "off", fp32_kernel: str = "auto",
+                batch_invariant: str = "on"):
     from batchgen.engine import create_engine
 
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype, quantization=quantization,
@@ -185,7 +187,7 @@ def make_engine(name: str, model_dir, dtype: str, max_num_seqs: int, max_model_l
                        kv_cache_tokens=kv_tokens,  # room for every row in flight: no preemption
                        max_num_batched_tokens=max(4096, max_model_len), speculative_ngram=k,
                        enable_prefix_caching=False,  # the variants share no prefix; keep it a pure decode test
-                       fp32_kernel=fp32_kernel)
+                       fp32_kernel=fp32_kernel, batch_invariant=batch_invariant)
     return create_engine(name, model_dir, cfg)
 
 
@@ -292,7 +294,7 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
     gguf = sorted(Path(model_dir).glob("*.gguf"))
     has_gguf = bool(gguf) and not isinstance(ggml.load(), str)
 
-    variants = []  # (name, dtype, quantization, compile, fp32 kernel)
+    variants = []  # (name, dtype, quantization, compile, fp32 kernel[, batch_invariant])
     # fp32 on batchgen's gemv where it builds, with oneDNN's as its peer: not `auto`, which takes one
     # of them for the band of max(batches) and so would put every batch on the same one
     has_gemv = fp32_kernel("auto", "cpu")[0] is not None
@@ -304,6 +306,7 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
             if has_gemv:
                 variants.append(("native:onednn", "float32", "none", "on", "onednn"))
             variants.append(("native:auto", "auto", "none", "on", "auto"))
+            variants.append(("native:loose", "auto", "none", "on", "auto", "off"))
             if can_int4("cpu"):  # the 4-bit weight path, measured where it loses too
                 variants.append(("native:int4", "bfloat16", "int4", "on", "auto"))
             if has_gguf:  # the GGUF's own Q4_1 / Q8_0 blocks (batchgen's qgemv kernel), float32 activations
@@ -369,8 +372,9 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
             gc.collect()
             continue
         built = [(name, make_engine(engine_name, model_dir, dtype, max(batches), max_len, kv_tokens,
-                                    quantization=quantization, compile_=compile_, fp32_kernel=kernel), compile_ == "on")
-                 for name, dtype, quantization, compile_, kernel in group_variants]
+                                    quantization=quantization, compile_=compile_, fp32_kernel=kernel,
+                                    batch_invariant=(inv or ("on",))[0]), compile_ == "on")
+                 for name, dtype, quantization, compile_, kernel, *inv in group_variants]
         # the outside peers take turns with the native variants inside each cell (see measure_cells)
         cells = [(name, e.conditions().get("dtype", "float32"), *engine_cell(e, compiled)) for name, e, compiled in built]
         measure_cells(cells + ([c for c, _ in peers] if engine_name == "native" else []))
@@ -580,6 +584,12 @@ def targets(results: list[Measurement], conditions: dict | None = None) -> list[
                 r = best.tok_per_s / peer.tok_per_s
                 out.append(f"  batch {b} {dtype} greedy, {best.engine} / vLLM's generate: {r:.2f}x (target 1.2x) "
                            f"{'met' if r >= 1.2 else 'MISSED'}")
+    for b in sorted({m.batch for m in grid}):  # what batch invariance (the default) costs: at most 10%
+        inv, loose = get("native:auto", b, "greedy"), get("native:loose", b, "greedy")
+        if inv and loose:
+            r = inv.tok_per_s / loose.tok_per_s
+            out.append(f"  batch {b} greedy, batch-invariant auto ({inv.dtype}) / auto with --batch-invariant off "
+                       f"({loose.dtype}): {r:.2f}x (target 0.90x) {'met' if r >= 0.9 else 'MISSED'}")
     llama = get("llama.cpp", 1, "greedy")
     if llama and llama.decode_tok_per_s:  # batch 1, decode steps only
         for engine in ("native:auto", "native:gguf"):

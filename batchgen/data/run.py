@@ -264,7 +264,8 @@ class RunDir:
         if problems:
             raise RunError(f"run {self.name}: {len(input_ids)} input rows, but {problems}; not marking success")
         return {"rows": len(input_ids), "ok": sum(m["ok"] for m in manifests),
-                "errors": sum(m["errors"] for m in manifests), "shards": num_shards}
+                "errors": sum(m["errors"] for m in manifests), "shards": num_shards,
+                "reused": sum(m.get("reused", 0) for m in manifests)}
 
     def mark_success(self, summary: dict[str, int]) -> None:
         self.store.write("_SUCCESS", json.dumps(summary).encode())

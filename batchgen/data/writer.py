@@ -18,7 +18,12 @@ REQUESTS_SCHEMA = pa.schema([
     ("queue_s", F64), ("ttft_s", F64), ("prefill_s", F64), ("tpot_s", F64), ("e2e_s", F64),
     ("prompt_truncated_from", pa.int32()), ("num_cached_tokens", pa.int32()), ("num_preemptions", pa.int32()),
     ("seed", pa.int64()),  # the sampling seed the request ran with (the row's, or derived from the run seed and id)
+    # what decides the row's tokens, hashed (batchgen.data.reuse); null where the run was not batch-invariant
+    ("request_key", pa.string()),
+    ("reused_from_run", pa.string()),  # the earlier run the row was copied from (--reuse-from); null: generated here
 ])
+# a reused row's own figures: what it was copied with (its timings stay null: it did not run here)
+REUSED_COLUMNS = ("prompt_tokens", "output_tokens", "output_token_ids", "text", "finish_reason")
 # sample_index / num_samples are null when the error covers the whole input row (every sample of it)
 ERRORS_SCHEMA = pa.schema([("id", pa.string()), ("error", pa.string()), ("stage", pa.string()),
                            ("sample_index", pa.int32()), ("num_samples", pa.int32())])
@@ -53,12 +58,16 @@ class ShardWriter:
         self.seeds: dict[str, int] = {}
         # engine request id -> (input row id, sample index, samples of the row); ids not here are rows of n = 1
         self.samples: dict[str, tuple[str, int, int]] = {}
+        self.keys: dict[str, str] = {}  # engine request id -> its request key
         self.num_output_tokens = 0
+        self.num_reused = 0
 
     def expect(self, request_id: str, row_id: str, sample_index: int, num_samples: int, seed: int | None,
-               truncated_from: int | None) -> None:
+               truncated_from: int | None, key: str | None = None) -> None:
         """What the requests/ row of an engine request records beside the engine's own figures."""
         self.seeds[request_id] = seed
+        if key is not None:
+            self.keys[request_id] = key
         if num_samples > 1:
             self.samples[request_id] = (row_id, sample_index, num_samples)
         if truncated_from is not None:
@@ -68,6 +77,19 @@ class ShardWriter:
         """Remember the row's kept input columns (nothing when none are kept)."""
         if self.kept_schema.names:
             self._kept[row["id"]] = {c: row.get(c) for c in self.kept_schema.names}
+
+    def add_reused(self, request_id: str, earlier: dict) -> None:
+        """A request answered by an earlier run's row of the same key (batchgen.data.reuse): its output
+        copied, its timings null, its source named. expect() was called for it as for any request."""
+        q = self.requests
+        for name in REQUESTS_SCHEMA.names:
+            q[name].append(earlier[name] if name in REUSED_COLUMNS else None)
+        q["id"][-1] = request_id
+        q["prompt_truncated_from"][-1] = self.truncated.pop(request_id, None)
+        q["seed"][-1] = self.seeds.pop(request_id, None)
+        q["request_key"][-1] = self.keys.pop(request_id, None)
+        q["reused_from_run"][-1] = earlier["source_run"]
+        self.num_reused += 1
 
     def add_error(self, err: RowError) -> None:
         """An error row: for the whole input row, or (by its engine request id) for one sample of it."""
@@ -138,6 +160,8 @@ class ShardWriter:
         q["num_cached_tokens"].append(f.num_cached_tokens)
         q["num_preemptions"].append(f.num_preemptions)
         q["seed"].append(self.seeds.pop(f.request_id, None))
+        q["request_key"].append(self.keys.pop(f.request_id, None))
+        q["reused_from_run"].append(None)
         self._last_t.pop(f.request_id, None)
 
     def _to_rows(self, cols: dict[str, list], id_col: str, num_col: str | None, default_index) -> None:

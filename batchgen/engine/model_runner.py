@@ -18,14 +18,14 @@ import torch
 from batchgen.config import DTYPE_BYTES, EngineConfig, batchgen_home
 from batchgen.engine.attention import CpuPagedAttention, TorchPagedAttention, select_backend
 from batchgen.engine.attention_metadata import DECODE_KEYS, FAR, PREFILL_KEYS, PREFILL_TILE, AttentionMetadata, TileGroup
-from batchgen.engine.decode_graphs import DecodeGraphs
+from batchgen.engine.decode_graphs import STEP_OPTIONS, DecodeGraphs
 from batchgen.engine.kv_cache import PagedKVCache, free_memory_bytes
 from batchgen.engine.precision import (INVARIANT_BATCH, decode_matrices, resolve_dtype, resolve_fp32_kernel,
-                                       resolve_gguf)
+                                       resolve_gguf, resolve_invariant_dtype)
 from batchgen.engine.request import Request
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import Chunk
-from batchgen.model import ggml
+from batchgen.model import bgemm, ggml
 from batchgen.model.linear import INT4_GROUP, can_int4, fp32_kernel
 from batchgen.model.llama import LlamaModel
 from batchgen.model.loader import DTYPES, load_model, read_model_config
@@ -72,9 +72,12 @@ class ModelRunner:
         if config.compile != "off":  # Inductor's on-disk cache beside the probe's: a machine compiles once
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(batchgen_home() / "inductor"))
         # decode-only steps in static buckets (graphs, compiled), or None
+        # batch-invariant: the compiled step rounds where the eager one does (a decode row runs compiled in a
+        # decode-only step and eager beside a prompt chunk, which depends on the other rows)
+        options = {**STEP_OPTIONS, "emulate_precision_casts": True} if config.batch_invariant == "on" else None
         self.graphs = (DecodeGraphs(self.model, self.kv, self.attention, scratch_block=self.num_blocks,
                                     device=config.device, mode=graphs_mode,
-                                    compile_after_s=0.0 if config.compile == "on" else None)
+                                    compile_after_s=0.0 if config.compile == "on" else None, step_options=options)
                        if graphs_mode is not None else None)
         self.compile_s = self._compile(config)
 
@@ -84,9 +87,11 @@ class ModelRunner:
         why that dtype, and the weight format (`--dtype auto` on CPU takes the model's own GGUF blocks
         where they measure faster: batchgen.engine.precision.resolve_gguf)."""
         fp32, fp32_why, quantization = config.fp32_kernel, None, config.quantization
-        # a batch-invariant run chooses by the machine alone (precision.INVARIANT_BATCH), never by max_num_seqs
-        invariant = config.batch_invariant == "on" and config.device == "cpu"
+        # a batch-invariant run chooses by the machine alone (precision.INVARIANT_BATCH), never by max_num_seqs,
+        # and runs bf16 on batchgen's bgemm (its rows do not depend on the batch) where it builds
+        invariant = config.batch_invariant == "on" and config.device == "cpu" and config.pack_weights
         batch = INVARIANT_BATCH if invariant else config.max_num_seqs
+        bf16_isa = bgemm.isa() if invariant and bgemm.load() is None else None
         if config.quantization == "int4":
             if not can_int4(config.device):
                 raise ValueError(f"quantization int4 needs PyTorch's int4 CPU kernel; device {config.device!r} "
@@ -99,10 +104,13 @@ class ModelRunner:
                 # float32's kernel for this batch band first: `--dtype auto` compares float32 on it
                 fp32, fp32_why = resolve_fp32_kernel(config.fp32_kernel, config.device, batch, decode_matrices(c),
                                                      invariant)
-            dtype, why = resolve_dtype(config.dtype, config.device, batch, fp32, invariant)
+            width = fp32_kernel(fp32, config.device)[0] if fp32 == "gemv" else None
+            chosen = (resolve_invariant_dtype(config.device, decode_matrices(c), width, bf16_isa)
+                      if invariant and config.dtype == "auto" else None)
+            dtype, why = chosen or resolve_dtype(config.dtype, config.device, batch, fp32)
             if config.dtype == "auto" and config.device == "cpu" and config.pack_weights:
-                width = fp32_kernel(fp32, config.device)[0] if dtype == "float32" else None
-                take, gguf_why = resolve_gguf(model_dir, c, dtype, width, batch)
+                take, gguf_why = resolve_gguf(model_dir, c, dtype, width if dtype == "float32" else None, batch,
+                                              bf16_tiles=bf16_isa is not None)
                 if take:
                     quantization, dtype = "gguf", "float32"
                     why = f"auto: the model's GGUF blocks (float32 activations), {gguf_why}; dense: {why}"
@@ -110,7 +118,8 @@ class ModelRunner:
                     why = f"{why}; the model's GGUF blocks not taken: {gguf_why}"
         model = load_model(model_dir, dtype, config.device, max_positions=min(config.max_model_len,
                                                                                c.max_position_embeddings),
-                           pack_weights=config.pack_weights, quantization=quantization, fp32_kernel=fp32)
+                           pack_weights=config.pack_weights, quantization=quantization, fp32_kernel=fp32,
+                           bf16_tiles=bf16_isa is not None)
         if dtype == "float32" and config.fp32_kernel == "auto" and fp32_why:
             model.layout_note = fp32_why  # which kernel auto took for this band, and the figures
         return model, dtype, why, quantization
@@ -181,13 +190,15 @@ class ModelRunner:
             return f"off: the native engine has no batch-invariant kernels on {self.device}"
         mats = [m for l in self.model.layers for m in (l.qkv, l.o, l.gate_up, l.down)] + [self.model.lm_head]
         loose = sorted({m.layout for m in mats if not (isinstance(m, ggml.BlockLinear) or
-                                                       getattr(m, "blocked", None) is not None)})
+                                                       getattr(m, "blocked", None) is not None or
+                                                       getattr(m, "tiled", None) is not None)})
         if loose:
             return (f"off: {self.dtype} weights on {', '.join(loose)}, whose row sums depend on the batch "
-                    f"(dtype auto or float32 with fp32_kernel gemv/auto is batch-invariant)")
+                    f"(batchgen's gemv (float32), bgemm (bfloat16) and qgemv (GGUF blocks) are batch-invariant)")
         if self.attention is not None and not isinstance(self.attention, CpuPagedAttention):
             return f"off: attention {self.attention.name} (batchgen's C++ kernel is the batch-invariant one)"
-        kernels = "GGUF blocks on qgemv" if self.quantization == "gguf" else f"{self.dtype} on gemv"
+        kernels = ("GGUF blocks on qgemv" if self.quantization == "gguf" else
+                   f"{self.dtype} on {'bgemm' if self.dtype == 'bfloat16' else 'gemv'}")
         return f"on: {kernels}, C++ paged attention, counter-hash sampling"
 
     def _quantization(self) -> str | None:

@@ -157,20 +157,15 @@ def record_name(device: str, fp32: str = "auto") -> tuple[str, int | None]:
     return ("-dtype" if width is None else f"-dtype-gemv{width}"), width
 
 
-def resolve_dtype(requested: str, device: str, batch: int, fp32: str = "auto",
-                  invariant: bool = False) -> tuple[str, str]:
+def resolve_dtype(requested: str, device: str, batch: int, fp32: str = "auto") -> tuple[str, str]:
     """(dtype, why). An explicit dtype is taken as asked. `fp32`: float32's kernel choice
-    (batchgen.config.FP32_KERNELS), which the crossover is measured against. `invariant` (a
-    batch-invariant run on CPU): float32, where it runs on gemv, the one dense kernel whose row sums do
-    not depend on the batch."""
+    (batchgen.config.FP32_KERNELS), which the crossover is measured against. A batch-invariant run
+    chooses with resolve_invariant_dtype instead."""
     if requested != "auto":
         return requested, "as requested"
     if device.startswith("cuda"):
         dt = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
         return dt, f"auto on CUDA: {dt}"
-    if invariant and fp32 == "gemv":
-        return "float32", ("auto, batch-invariant: float32 on gemv (bf16 and fp16 run on oneDNN, whose row sums "
-                           "depend on the batch)")
     from batchgen.metrics.probe import cached_measurement
 
     name, width = record_name(device, fp32)
@@ -184,10 +179,46 @@ def resolve_dtype(requested: str, device: str, batch: int, fp32: str = "auto",
                   f"({m['dtype_source']})")
 
 
+# ---- `--dtype auto` in a batch-invariant run: among the kernels whose rows do not depend on the batch --
+
+def measure_invariant(device: str, shapes: list[tuple[int, int]], fp32_width: int, repeats: int = 3) -> dict:
+    """float32 on gemv against bfloat16 on bgemm, per band, in turns, over matrices of `shapes` (the
+    model's, decode_matrices): {"speeds": {band: {"float32": s, "bfloat16": s}}}."""
+    ws = _weights(shapes)
+    speeds = _fastest_passes({"float32": [Linear(w, gemv_width=fp32_width) for w in ws],
+                              "bfloat16": [Linear(w.bfloat16(), bf16_tiles=True) for w in ws]},
+                             {"float32": torch.float32, "bfloat16": torch.bfloat16}, repeats)
+    return {"speeds": speeds, "matrices": len(ws)}
+
+
+def resolve_invariant_dtype(device: str, shapes: list[tuple[int, int]], fp32_width: int | None,
+                            bf16_isa: str | None) -> tuple[str, str] | None:
+    """(dtype, why) for `--dtype auto` with batch invariance on, on CPU: the faster of float32 on gemv
+    (`fp32_width`: where it builds) and bfloat16 on bgemm (`bf16_isa`: the instructions it runs on,
+    where it builds), at the band of INVARIANT_BATCH, measured once per machine and model shape and
+    cached; by the machine alone, never by max_num_seqs. None where neither kernel builds here."""
+    if fp32_width is None and bf16_isa is None:
+        return None
+    if bf16_isa is None or fp32_width is None:
+        only = "float32 on gemv" if bf16_isa is None else f"bfloat16 on bgemm ({bf16_isa})"
+        return only.split()[0], f"auto, batch-invariant: {only}, the one batch-invariant kernel that builds here"
+    from batchgen.metrics.probe import cached_measurement
+
+    key = hashlib.sha256(repr(shapes).encode()).hexdigest()[:12]
+    m = cached_measurement(f"-invariant-gemv{fp32_width}-bgemm-{bf16_isa}-{key}", device,
+                           lambda dev: measure_invariant(dev, shapes, fp32_width), prefix="invariant")
+    band = band_of(INVARIANT_BATCH)
+    speeds = m["speeds"][str(band)]
+    best = min(speeds, key=speeds.get)
+    return best, (f"auto, batch-invariant: fastest at batch band {band} on this CPU (by the machine, not "
+                  f"max_num_seqs): float32 on gemv {1000 * speeds['float32']:.1f} ms, bfloat16 on bgemm ({bf16_isa}) "
+                  f"{1000 * speeds['bfloat16']:.1f} ms per pass over the model's shapes ({m['invariant_source']})")
+
+
 # ---- the model's own GGUF blocks as a candidate of `--dtype auto` ----------------------------------
 
 def measure_gguf(device: str, shapes: list[tuple[int, int]], dtype: str, fp32_width: int | None,
-                 repeats: int = 3) -> dict:
+                 repeats: int = 3, bf16_tiles: bool = False) -> dict:
     """Q4_1 blocks on batchgen's qgemv kernel (float32 activations) against `dtype` on its own kernel,
     per band, in turns, over matrices of `shapes` (the model's, decode_matrices): {"speeds": {band:
     {"gguf": s, dtype: s}}}. The blocks' values do not matter to the time: random codes."""
@@ -198,12 +229,14 @@ def measure_gguf(device: str, shapes: list[tuple[int, int]], dtype: str, fp32_wi
                           torch.full((n, k // QK), 0.01, dtype=torch.float16),
                           torch.full((n, k // QK), -0.08, dtype=torch.float16)) for n, k in shapes]
     dt = getattr(torch, dtype)
-    dense = [Linear(w.to(dt), gemv_width=fp32_width if dtype == "float32" else None) for w in _weights(shapes)]
+    dense = [Linear(w.to(dt), gemv_width=fp32_width if dtype == "float32" else None, bf16_tiles=bf16_tiles)
+             for w in _weights(shapes)]
     speeds = _fastest_passes({"gguf": blocks, dtype: dense}, {"gguf": torch.float32, dtype: dt}, repeats)
     return {"speeds": speeds, "matrices": len(shapes)}
 
 
-def resolve_gguf(model_dir, c: ModelConfig, dtype: str, fp32_width: int | None, batch: int) -> tuple[bool, str]:
+def resolve_gguf(model_dir, c: ModelConfig, dtype: str, fp32_width: int | None, batch: int,
+                 bf16_tiles: bool = False) -> tuple[bool, str]:
     """(run the model's GGUF blocks?, why) for `--dtype auto` on CPU, against `dtype`, what auto took
     among the dense dtypes. The blocks are taken where the model ships them (SmolLM2's Q4_1 layers
     and Q8_0 head: the model's exact weights, so nothing is lost; float32 activations), batchgen's
@@ -222,8 +255,10 @@ def resolve_gguf(model_dir, c: ModelConfig, dtype: str, fp32_width: int | None, 
         return False, f"the GGUF kernel cannot run here ({isa})"
     shapes = [(n, k) for n, k in decode_matrices(c) if k % ggml.QK == 0]
     key = hashlib.sha256(repr(shapes).encode()).hexdigest()[:12]
-    m = cached_measurement(f"-gguf-{dtype}-gemv{fp32_width or 0}-{key}", "cpu",
-                           lambda dev: measure_gguf(dev, shapes, dtype, fp32_width), prefix="gguf")
+    tiles = "-bgemm" if bf16_tiles and dtype == "bfloat16" else ""
+    m = cached_measurement(f"-gguf-{dtype}{tiles}-gemv{fp32_width or 0}-{key}", "cpu",
+                           lambda dev: measure_gguf(dev, shapes, dtype, fp32_width, bf16_tiles=bool(tiles)),
+                           prefix="gguf")
     band = band_of(batch)
     speeds = m["speeds"][str(band)]
     take = speeds["gguf"] < speeds[dtype]

@@ -189,6 +189,16 @@ class _Tracked:
         self.last_token_t: float | None = None
 
 
+def vllm_batch_invariance(config: EngineConfig) -> str:
+    """"on: ..." where vLLM's own batch-invariant mode (VLLM_BATCH_INVARIANT, its Triton kernels) is
+    passed through: on CUDA, unless turned off; else "off: why". Request keys exist only for "on"."""
+    if config.batch_invariant == "off":
+        return "off: as asked"
+    if not config.device.startswith("cuda"):
+        return "off: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT) is for CUDA; none on CPU"
+    return "on: vLLM's VLLM_BATCH_INVARIANT=1 (its batch-invariant kernels)"
+
+
 class VllmEngine(Engine):
     name = "vllm"
 
@@ -210,6 +220,9 @@ class VllmEngine(Engine):
         self.tokenizer = Tokenizer(model_dir)
         self.clock = clock or monotonic_clock()
         on_cpu = config.device == "cpu"
+        self.batch_invariant = vllm_batch_invariance(config)
+        if self.batch_invariant.startswith("on"):  # vLLM reads it from the environment, in its engine process too
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
         options.setdefault("enforce_eager", on_cpu)  # torch.compile costs minutes of start-up on CPU
         options.setdefault("max_num_batched_tokens", max(config.max_num_batched_tokens, self.max_model_len))
         bpe = DTYPE_BYTES.get(config.dtype) or (4 if shape.get("torch_dtype") == "float32" else 2)  # auto: vLLM's rule
@@ -436,7 +449,7 @@ class VllmEngine(Engine):
             "max_num_batched_tokens": self.options["max_num_batched_tokens"],
             "weight_bytes": self.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
             "speculative": self.options.get("speculative_config"), "vllm_options": self.options,
-            "lora_adapters": self.lora_adapters,
+            "lora_adapters": self.lora_adapters, "batch_invariant": self.batch_invariant,
         }
 
     def close(self) -> None:

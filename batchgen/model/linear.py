@@ -84,20 +84,28 @@ class Linear:
     """y = x W^T (+ b) for x [..., K] and W [N, K]. `gemv_width`: hold a float32 W in the gemv
     kernel's column blocks of that width (batchgen.model.gemv) instead of oneDNN's packing."""
 
-    __slots__ = ("weight", "packed", "blocked", "bias", "out_features", "in_features", "nbytes", "dtype")
+    __slots__ = ("weight", "packed", "blocked", "tiled", "amx", "bias", "out_features", "in_features", "nbytes",
+                 "dtype")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
-                 gemv_width: int | None = None):
+                 gemv_width: int | None = None, bf16_tiles: bool = False):
+        """`bf16_tiles`: hold a bfloat16 W in the batch-invariant bgemm kernel's tiles
+        (batchgen.model.bgemm; the caller has loaded it) instead of oneDNN's packing."""
         self.out_features, self.in_features = weight.shape
         self.nbytes = weight.numel() * weight.element_size()
         self.dtype = weight.dtype
         self.bias = bias
-        self.packed = self.blocked = None
+        self.packed = self.blocked = self.tiled = None
+        self.amx = False
         self.weight = weight  # kept only where it is the kernel's input
         if pack and gemv_width and weight.dtype == torch.float32 and weight.device.type == "cpu":
             from batchgen.model.gemv import block
 
             self.blocked, self.weight = block(weight, gemv_width), None
+        elif pack and bf16_tiles and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+            from batchgen.model import bgemm
+
+            self.tiled, self.amx, self.weight = bgemm.pack(weight), bgemm.isa() == "amx", None
         elif pack and can_pack(weight.dtype, weight.device):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_HINT)
@@ -109,11 +117,16 @@ class Linear:
     def layout(self) -> str:
         if self.blocked is not None:
             return f"gemv-blocked [N/{self.blocked.shape[2]}, K, {self.blocked.shape[2]}]"
+        if self.tiled is not None:
+            return f"bgemm-tiled ({'AMX' if self.amx else 'AVX512_BF16'})"
         return "onednn-packed" if self.packed is not None else "plain [N, K]"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked is not None:
             y = torch.ops.batchgen_gemv.gemv(x, self.blocked, self.out_features)
+            return y if self.bias is None else y + self.bias
+        if self.tiled is not None:
+            y = torch.ops.batchgen_bgemm.bgemm(x, self.tiled, self.out_features, int(self.amx))
             return y if self.bias is None else y + self.bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -82,14 +82,16 @@ def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
                max_positions: int | None = None, pack_weights: bool = True, quantization: str = "none",
-               fp32_kernel: str = "auto") -> LlamaModel:
+               fp32_kernel: str = "auto", bf16_tiles: bool = False) -> LlamaModel:
     """Load a local Llama-family checkpoint, fusing q/k/v and gate/up for fewer, larger matmuls, each
     in the layout fastest for the device's kernel (`pack_weights=False` keeps the checkpoint's).
     `quantization="int4"`: the layers' matrices as 4-bit weights (batchgen.model.linear.Int4Linear),
     quantized from the checkpoint's own values; the head and norms stay in `dtype`.
     `quantization="gguf"`: every matrix the model's GGUF holds in Q4_1 or Q8_0 blocks is multiplied in
     those blocks (batchgen.model.ggml, float32 activations); the norms and the embedding's lookups
-    come from the safetensors. `fp32_kernel`: float32's CPU matmul kernel (batchgen.config.FP32_KERNELS)."""
+    come from the safetensors. `fp32_kernel`: float32's CPU matmul kernel (batchgen.config.FP32_KERNELS).
+    `bf16_tiles`: bfloat16 matrices on batchgen's batch-invariant bgemm kernel (the caller has checked
+    that it loads here, batchgen.model.bgemm) instead of oneDNN's."""
     config = read_model_config(model_dir)
     state = load_state_dict(model_dir)
     dt = DTYPES[dtype]
@@ -114,7 +116,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     width, why = fp32_kernel_for(fp32_kernel, device) if pack_weights and dt == torch.float32 else (None, None)
 
     def linear(w, bias=None) -> Linear:
-        return Linear(w, bias, pack=pack_weights, gemv_width=width)
+        return Linear(w, bias, pack=pack_weights, gemv_width=width, bf16_tiles=bf16_tiles)
 
     def gguf_matrix(name: str) -> BlockLinear:  # the GGUF's blocks, where they stand for this checkpoint's matrix
         lin, dense = blocks.linear(name), state.pop(name, None)

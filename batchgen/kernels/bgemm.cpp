@@ -1,0 +1,204 @@
+// y = x W^T for bfloat16 on CPU, every row summed in one fixed order: batchgen's batch-invariant bf16
+// matmul.
+//
+// oneDNN's bf16 GEMM picks its blocking (and so the order it adds a row's products in) by the number
+// of rows and threads: the same row comes out in different bits alone and in a batch, which makes a
+// row's tokens depend on its batch. Here each output is one chain over K in order, 32 at a time, in
+// one accumulator, whatever the rows beside it, the batch size or the threads:
+//   - with AMX (Sapphire Rapids and later): tiles of 16 rows x 32 K (A) by 32 K x 16 columns (B),
+//     accumulated with TDPBF16PS in a 16 x 16 float32 tile, K in order;
+//   - with AVX512_BF16 only (Zen 4, Cooper Lake): VDPBF16PS, one 16-column accumulator per row, K in
+//     order, pairs at a time.
+// A row's result depends only on its own values and W (on one machine: AMX and VDPBF16PS do not
+// round alike, so the instruction set used is recorded).
+//
+// W is held packed as [N/16, K/32, 16, 16, 2] bf16 (N and K padded with zeros to 16 and 32): each
+// (column block, K block) is one B tile of 1 KiB in the VNNI order both instructions read, and a
+// column block's tiles lie in K order, so a pass over K streams contiguous memory. Built on the
+// machine that runs it (batchgen/kernels, -march=native).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if !defined(__AVX512BF16__)
+#error "batchgen bgemm needs bf16 dot-product instructions (AVX512_BF16 or AMX); this CPU has neither"
+#endif
+
+constexpr int64_t TN = 16;    // columns of a B tile
+constexpr int64_t TK = 32;    // K of a tile
+constexpr int64_t TILE = TN * TK;  // bf16 elements of a B tile
+constexpr int64_t MB = 32;    // rows per block (two A tiles)
+constexpr int64_t MC = 128;   // rows per task: they stay in cache while the task runs its columns
+
+// Linux hands a process the AMX tile state only when asked (XFEATURE_XTILEDATA = 18)
+static bool amx_usable() {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+  return ok;
+#else
+  return false;
+#endif
+}
+
+static inline void store_bf16(const float* c, int64_t cols, c10::BFloat16* y) {
+  int64_t n = 0;
+  for (; n + 16 <= cols; n += 16) {  // round to nearest even, as c10::BFloat16 does
+    __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(c + n));
+    std::memcpy(y + n, &h, sizeof h);
+  }
+  for (; n < cols; ++n) y[n] = c10::BFloat16(c[n]);
+}
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+static void amx_configure() {
+  TileConfig c;
+  for (int i = 0; i < 8; ++i) {
+    c.colsb[i] = 64;
+    c.rows[i] = 16;
+  }
+  _tile_loadconfig(&c);
+}
+
+// rows [0, 16 * AT) of a (row stride lda) times column blocks b0, b1 (32 columns); c [16 * AT][32]
+template <int AT>
+static inline void amx_block(const c10::BFloat16* a, int64_t lda, int64_t KB, const c10::BFloat16* b0,
+                             const c10::BFloat16* b1, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (AT == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    _tile_loadd(4, a + kb * TK, lda * 2);
+    _tile_loadd(6, b0 + kb * TILE, 64);
+    _tile_loadd(7, b1 + kb * TILE, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (AT == 2) {
+      _tile_loadd(5, a + 16 * lda + kb * TK, lda * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  if constexpr (AT == 2) {
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+  }
+}
+#endif
+
+// the same products with VDPBF16PS: `rows` (<= 4) rows of a times b0, b1; c [rows][32]
+static inline void dp_block(const c10::BFloat16* a, int64_t lda, int rows, int64_t KB, const c10::BFloat16* b0,
+                            const c10::BFloat16* b1, float* c) {
+  __m512 acc[4][2];
+  for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    for (int p = 0; p < TK / 2; ++p) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + kb * TILE + p * 32);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + kb * TILE + p * 32);
+      for (int r = 0; r < 4; ++r) {
+        if (r < rows) {
+          int32_t pair;
+          std::memcpy(&pair, a + r * lda + kb * TK + 2 * p, 4);
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    _mm512_storeu_ps(c + r * 32, acc[r][0]);
+    _mm512_storeu_ps(c + r * 32 + 16, acc[r][1]);
+  }
+}
+
+at::Tensor bgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t use_amx) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "batchgen bgemm: bfloat16 only");
+  TORCH_CHECK(w.dim() == 5 && w.size(2) == TK / 2 && w.size(3) == TN && w.size(4) == 2 && w.is_contiguous(),
+              "batchgen bgemm: weight must be packed [N/16, K/32, 16, 16, 2]");
+  const int64_t K = x.size(-1), NB = w.size(0), KB = w.size(1);
+  TORCH_CHECK(NB % 2 == 0 && n <= NB * TN && n > (NB - 2) * TN && KB * TK >= K && (KB - 1) * TK < K,
+              "batchgen bgemm: shapes do not match");
+  const bool amx = use_amx && amx_usable();
+  TORCH_CHECK(!use_amx || amx, "batchgen bgemm: AMX asked for but not usable here");
+  auto x2 = x.contiguous();
+  const int64_t M = x2.numel() / std::max<int64_t>(K, 1);
+  const int64_t KP = KB * TK;  // K padded: rows of x are copied to a zero-padded block when K < KP
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  auto y = at::empty(sizes, x.options());
+  const auto* xp = x2.data_ptr<c10::BFloat16>();
+  const auto* wp = w.data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  const int64_t NP = NB / 2;  // pairs of column blocks: 32 columns a task step
+  const int64_t MT = (M + MC - 1) / MC;
+  at::parallel_for(0, MT * NP, 1, [&](int64_t t0, int64_t t1) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (amx) amx_configure();
+#endif
+    std::vector<c10::BFloat16> pad;  // a block of rows, zero-padded to MB rows and KP columns
+    alignas(64) float c[MB * 32];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t mt = t / NP, np = t % NP;
+      const auto* b0 = wp + (2 * np) * KB * TILE;
+      const auto* b1 = b0 + KB * TILE;
+      const int64_t col0 = np * 32, cols = std::min<int64_t>(32, n - col0);
+      for (int64_t m = mt * MC; m < std::min(M, (mt + 1) * MC); m += MB) {
+        const int64_t rows = std::min<int64_t>(MB, M - m);
+        const c10::BFloat16* a = xp + m * K;
+        int64_t lda = K;
+        if (rows < MB || K != KP) {  // the same instructions on a copy: a row's sums do not change
+          pad.assign(MB * KP, c10::BFloat16(0.0f));
+          for (int64_t r = 0; r < rows; ++r) std::memcpy(pad.data() + r * KP, a + r * K, K * sizeof(*a));
+          a = pad.data();
+          lda = KP;
+        }
+        if (amx) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+          if (rows <= 16) {
+            amx_block<1>(a, lda, KB, b0, b1, c);
+          } else {
+            amx_block<2>(a, lda, KB, b0, b1, c);
+          }
+#endif
+        } else {
+          for (int64_t r = 0; r < rows; r += 4)
+            dp_block(a + r * lda, lda, (int)std::min<int64_t>(4, rows - r), KB, b0, b1, c + r * 32);
+        }
+        for (int64_t r = 0; r < rows; ++r) store_bf16(c + r * 32, cols, yp + (m + r) * n + col0);
+      }
+    }
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (amx) _tile_release();
+#endif
+  });
+  return y;
+}
+
+// "amx" or "avx512-bf16": the instructions bgemm runs on by default here
+std::string isa() { return amx_usable() ? "amx" : "avx512-bf16"; }
+
+TORCH_LIBRARY(batchgen_bgemm, m) {
+  m.def("bgemm(Tensor x, Tensor w, int n, int use_amx) -> Tensor");
+  m.def("isa() -> str", &isa);
+}
+TORCH_LIBRARY_IMPL(batchgen_bgemm, CPU, m) { m.impl("bgemm", &bgemm); }
