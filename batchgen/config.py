@@ -304,6 +304,11 @@ class EngineConfig:
         "auto", choices=ON_OFF, title="CUDA graphs (native engine)",
         help="decode steps padded to static buckets and replayed as CUDA graphs; auto: on CUDA with the PyTorch "
              "paged attention (on CPU, on runs the same buckets without graphs)")
+    admission: str = setting(
+        "prefix", choices=("prefix", "fifo"), title="Admission order (native engine)",
+        help="prefix: among the waiting rows, those whose leading blocks are in the prefix cache (a shared system "
+             "prompt) first, so rows that share a prefix run while it is cached (bounded: no row is passed over "
+             "more than 4 x max_num_seqs times); fifo: first come, first served")
     batch_invariant: str = setting(
         "on", choices=("on", "off"), title="Batch-invariant outputs (native engine, CPU)",
         help="on: a row's tokens do not depend on max_num_seqs, the rows beside it, chunking or a resume (dtype "

@@ -68,7 +68,8 @@ class OpenRun:
 # Settings that only shape the batches: under batch invariance they cannot change a row's tokens, so a
 # resume may change them (resume a crashed run with wider batches on a bigger machine)
 BATCH_SHAPE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_cache_memory_fraction",
-                        "kv_cache_tokens", "block_size", "enable_prefix_caching", "compile", "cuda_graphs")
+                        "kv_cache_tokens", "block_size", "enable_prefix_caching", "compile", "cuda_graphs",
+                        "admission")
 
 
 def run_identity(cfg: RunConfig, model_dir: Path, input_fingerprint: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k")
 ENGINE_FIELDS = ("max_num_seqs", "max_model_len", "kv_cache_memory", "kv_cache_memory_fraction", "kv_cache_tokens",
                  "block_size", "enable_prefix_caching", "max_num_batched_tokens", "dtype", "device",
                  "speculative_ngram", "quantization", "fp32_kernel", "sampler", "cuda_graphs", "compile",
-                 "attention_backend", "batch_invariant")
+                 "attention_backend", "batch_invariant", "admission")
 AS_LIST = {"stop"}  # a tuple in the library, a list in YAML, JSON and the form
 
 

@@ -142,7 +142,8 @@ def test_random_workloads_keep_the_invariants_and_finish_every_request(seed):
     rng = random.Random(seed)
     bs = rng.choice([1, 2, 4, 8])
     bm = BlockManager(num_blocks=rng.randint(8, 40), block_size=bs, enable_prefix_caching=rng.random() < 0.8)
-    s = Scheduler(bm, max_num_seqs=rng.randint(1, 6), max_model_len=64, max_num_batched_tokens=rng.randint(6, 40))
+    s = Scheduler(bm, max_num_seqs=rng.randint(1, 6), max_model_len=64, max_num_batched_tokens=rng.randint(6, 40),
+                  admission=rng.choice(["prefix", "fifo"]), max_passes=rng.choice([None, 1, 3]))
     shared = [rng.randrange(50) for _ in range(rng.randint(0, 20))]  # a common system prompt, sometimes
     pending = []
     for i in range(rng.randint(5, 25)):
@@ -172,3 +173,68 @@ def test_random_workloads_keep_the_invariants_and_finish_every_request(seed):
     assert all(len(r.output_token_ids) == r.sampling.max_tokens for r in finished)
     assert bm.num_free_blocks == bm.num_blocks  # nothing leaks
     assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def run_to_end(s: Scheduler) -> list[str]:
+    """Step the scheduler with one output token per sampled chunk; the order requests were admitted in."""
+    admitted = []
+    while s.has_unfinished():
+        out = s.schedule()
+        for c in out.chunks:
+            if c.start == c.request.num_cached_tokens and c.request.request_id not in admitted:
+                admitted.append(c.request.request_id)
+            s.computed(c)
+            if c.samples:
+                c.request.output_token_ids.append(99)
+                if len(c.request.output_token_ids) >= c.request.sampling.max_tokens:
+                    s.finish(c.request, "length")
+    return admitted
+
+
+def grouped_workload(admission: str, max_passes: int | None = None) -> tuple[Scheduler, list[str]]:
+    """Rows with one of two 16-token system prompts (P, Q) in alternating order, one row at a time, in a
+    pool that holds one prompt's blocks and little more: which row goes next decides the cache hits."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    s = Scheduler(bm, max_num_seqs=1, max_model_len=64, max_num_batched_tokens=64, admission=admission,
+                  max_passes=max_passes)
+    system = {"P": list(range(16)), "Q": list(range(100, 116))}
+    for i, g in enumerate("PQPQPQ"):
+        s.add(req(f"{g}{i}", system[g] + [200 + i, 201 + i], max_tokens=2))
+    return s, run_to_end(s)
+
+
+def test_prefix_admission_takes_rows_whose_prefix_is_cached_first():
+    s, order = grouped_workload("prefix")
+    assert order == ["P0", "P2", "P4", "Q1", "Q3", "Q5"]  # grouped by system prompt, oldest first within
+    _, fifo = grouped_workload("fifo")
+    assert fifo == ["P0", "Q1", "P2", "Q3", "P4", "Q5"]  # as they came
+
+
+def test_prefix_admission_is_bounded():
+    """A row passed over max_passes times goes next, cached prefix or not."""
+    _, order = grouped_workload("prefix", max_passes=1)
+    # Q1 is passed over once (P2), then goes; then Q's prefix is the cached one, and P4 waits one row
+    assert order == ["P0", "P2", "Q1", "Q3", "Q5", "P4"]
+
+
+def test_prefix_admission_computes_fewer_prompt_tokens():
+    def computed(admission):
+        bm = BlockManager(num_blocks=12, block_size=4)
+        s = Scheduler(bm, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64, admission=admission)
+        rng = random.Random(0)
+        systems = [[rng.randrange(1000) for _ in range(16)] for _ in range(3)]
+        for i in range(30):
+            s.add(req(f"r{i}", systems[rng.randrange(3)] + [rng.randrange(1000) for _ in range(3)], max_tokens=2))
+        total = 0
+        while s.has_unfinished():
+            out = s.schedule()
+            total += out.num_prefill_tokens
+            for c in out.chunks:
+                s.computed(c)
+                if c.samples:
+                    c.request.output_token_ids.append(99)
+                    if len(c.request.output_token_ids) >= 2:
+                        s.finish(c.request, "length")
+        return total
+
+    assert computed("prefix") < 0.8 * computed("fifo")

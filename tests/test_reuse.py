@@ -68,7 +68,8 @@ def test_the_same_rows_plus_new_ones_generate_only_the_new_ones(tmp_path, datase
     # the counts, where a scheduler and a person look
     success = json.loads((out / "night2" / "_SUCCESS").read_text())
     assert success["reused"] == 1000 and success["ok"] == 1100
-    assert json.loads((out / "night2" / "run.json").read_text())["reuse_from"]["runs"] == [str(out / "night1")]
+    doc = json.loads((out / "night2" / "run.json").read_text())
+    assert doc["reuse_from"]["runs"] == [str(out / "night1")] and doc["summary"] == success
     # the nightly shape: the output root itself as the source (every earlier run in it), the run being written left out
     said = run(grown, out, tiny_model_dir, "night3", "--reuse-from", str(out), capsys=capsys)
     assert "1100 outputs (1100 reused, 0 generated)" in said
@@ -161,6 +162,11 @@ def test_reports_count_reused_rows_apart_and_time_only_generated_ones(tmp_path, 
     status = {r["run_id"]: r for r in run_query(con, "run_status").to_pylist()}
     assert (status["a"]["generated"], status["a"]["reused"], status["a"]["errors"]) == (8, 0, 0)
     assert (status["b"]["generated"], status["b"]["reused"], status["b"]["errors"]) == (4, 8, 1)
+    from batchgen.cli import main as cli_main
+
+    assert cli_main(["report", str(out / "b"), "--out", str(tmp_path / "rep")]) == 0
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert "Rows: generated, reused from earlier runs, errors" in page
     b = rows(out, "b")
     generated = [r for r in b.values() if r["reused_from_run"] is None]
     tp = {r["run_id"]: r for r in run_query(con, "throughput").to_pylist()}

@@ -69,7 +69,7 @@ def index_phase(earlier: str, shards: int, keys_per_shard: int, rows: int) -> di
     times, found = [], 0
     try:
         for s in range(shards):
-            keys = [_key((s * keys_per_shard + j) * step % rows) if j % 10 else f"missing-{s}-{j}"
+            keys = [_key((s * keys_per_shard + j) * step % rows) if j % 10 else _key(-1 - s * keys_per_shard - j)
                     for j in range(keys_per_shard)]
             t0 = time.perf_counter()
             found += len(index.lookup(keys))
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"conditions: {args.rows:,} earlier rows in {-(-args.rows // SHARD)} committed shards "
               f"({sum(f.stat().st_size for f in earlier.rglob('*.parquet')) / 2**20:.0f} MiB of requests files, "
               f"written in {write_s:.1f}s); {args.shards} new shards of {args.keys_per_shard} keys, 90% found; "
-              f"DuckDB memory limit {INDEX_MEMORY_LIMIT}; {hw.get('cpu_model')} ({hw.get('cpu_count')} CPUs)")
+              f"DuckDB memory limit {INDEX_MEMORY_LIMIT}; {hw.get('cpu')} ({hw.get('cpu_cores')} CPUs)")
         idx = _in_process(index_phase, str(earlier), args.shards, args.keys_per_shard, args.rows)
         naive = _in_process(naive_phase, str(earlier))
     t = idx["times"]

@@ -17,8 +17,9 @@ each of its keys up among the committed rows of those runs, and copies a match i
 generating it (with `reused_from_run`, and no timings of its own: reports count such rows apart).
 Trust comes only from the commit protocol (batchgen.data.run): a file is read only if a manifest
 names it, and only after its bytes match the manifest's size and sha256, both when the index is
-built and when a row is copied. The index is a DuckDB table in a temporary file on local disk:
-the keys of a million earlier rows are held in bounded memory, and a shard's lookup is one join.
+built and when a row is copied. The index is a DuckDB table in a temporary file on local disk (a
+key's first 64 bits and the row's place; DuckDB spills past INDEX_MEMORY_LIMIT): the keys of any
+number of earlier rows are held in bounded memory, and a shard's lookup is one join.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from batchgen.data.run import RunDir
 
 KEY_VERSION = 1
 REUSABLE_FINISH = ("stop", "length")  # a row that ended in an error or an abort is generated again
-INDEX_MEMORY_LIMIT = "256MB"  # DuckDB spills the index join beyond this
+INDEX_MEMORY_LIMIT = "64MB"  # DuckDB spills the index to its file on disk beyond this
 
 
 class ReuseError(ValueError):
@@ -113,7 +114,9 @@ class ReuseIndex:
         self.db = duckdb.connect(str(Path(self._dir) / "index.duckdb"))
         self.db.execute(f"SET memory_limit = '{INDEX_MEMORY_LIMIT}'")
         self.db.execute("SET preserve_insertion_order = false")
-        self.db.execute("CREATE TABLE idx (request_key VARCHAR, file_id INTEGER, row_id INTEGER)")
+        # a key's first 64 bits stand for it in the index (16 bytes a row with its place); a copied row's
+        # whole key is compared before it is taken
+        self.db.execute("CREATE TABLE idx (k UBIGINT, file_id INTEGER, row_id INTEGER)")
         for loc in self.runs:
             self._add_run(RunDir(loc))
 
@@ -130,7 +133,8 @@ class ReuseIndex:
                     pc.and_(pc.is_valid(keys), ok))
                 self.files.append((run, entry))
                 self.db.register("incoming", rows)
-                self.db.execute("INSERT INTO idx SELECT * FROM incoming")
+                self.db.execute("INSERT INTO idx SELECT try_cast('0x' || substr(request_key, 1, 16) AS UBIGINT), file_id, row_id "
+                                "FROM incoming")
                 self.db.unregister("incoming")
                 self.num_keys += rows.num_rows
 
@@ -152,9 +156,9 @@ class ReuseIndex:
         if not keys or not self.num_keys:
             return {}
         self.db.register("wanted", pa.table({"request_key": pa.array(sorted(set(keys)), pa.string())}))
-        hits = self.db.execute(
-            "SELECT request_key, max(file_id * 4294967296 + row_id) AS at FROM idx "
-            "JOIN wanted USING (request_key) GROUP BY request_key").fetchall()
+        hits = self.db.execute(  # the newest run's row of each key (runs are added oldest first)
+            "SELECT w.request_key, max(i.file_id * 4294967296 + i.row_id) AS at FROM wanted w "
+            "JOIN idx i ON i.k = try_cast('0x' || substr(w.request_key, 1, 16) AS UBIGINT) GROUP BY w.request_key").fetchall()
         self.db.unregister("wanted")
         by_file: dict[int, list[tuple[str, int]]] = {}
         for key, at in hits:

@@ -268,6 +268,10 @@ class RunDir:
                 "reused": sum(m.get("reused", 0) for m in manifests)}
 
     def mark_success(self, summary: dict[str, int]) -> None:
+        """The run's counts (rows, generated ok, reused, errors) into run.json, then _SUCCESS."""
+        doc = self.read_json()
+        doc["summary"] = summary
+        self._write_json(doc)
         self.store.write("_SUCCESS", json.dumps(summary).encode())
 
 

@@ -85,6 +85,27 @@ class BlockManager:
             found.append(block_id)
         return found
 
+    def prefix_keys(self, token_ids: Sequence[int], max_blocks: int) -> tuple[int, ...]:
+        """The cache keys of the first (at most `max_blocks`) full blocks of `token_ids`, as the cache
+        would key them: what prefix-aware admission compares (computed once per request)."""
+        bs, keys, key = self.block_size, [], None
+        for i in range(min((len(token_ids) - 1) // bs, max_blocks)):
+            key = self.chain_key(key, tuple(token_ids[i * bs:(i + 1) * bs]))
+            keys.append(key)
+        return tuple(keys)
+
+    def num_cached_leading(self, keys: Sequence[int]) -> int:
+        """How many of `keys` (a request's prefix_keys), from the first, are cached now: a cheap
+        estimate for ordering (dict lookups; computed_blocks still checks the tokens on admission)."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = 0
+        for key in keys:
+            if key not in self._cached:
+                break
+            n += 1
+        return n
+
     # ---- allocation ---------------------------------------------------------------------------------
 
     def allocate_slots(self, req: Sequenced, num_new_tokens: int, computed: Sequence[int] = ()) -> bool:

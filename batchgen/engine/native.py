@@ -53,7 +53,7 @@ class NativeEngine(Engine):
         self.proposer = (NgramProposer(config.speculative_ngram, config.prompt_lookup_min, config.prompt_lookup_max)
                          if config.speculative_ngram and config.enable_kv_cache else None)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens,
-                                   self.proposer)
+                                   self.proposer, config.admission)
         self.output = OutputProcessor(self.scheduler, self.blocks, self.constraints, self.tokenizer,
                                       set(c.eos_token_ids), self.max_model_len,
                                       (self.runner.model.weight_bytes, self.runner.row_embed_bytes,
@@ -141,6 +141,7 @@ class NativeEngine(Engine):
             "kv_budget_tokens": self.blocks.num_blocks * self.blocks.block_size, "kv_block_size": self.blocks.block_size,
             "kv_num_blocks": self.blocks.num_blocks, "enable_prefix_caching": self.blocks.enable_prefix_caching,
             "max_num_batched_tokens": c.max_num_batched_tokens, "enable_kv_cache": c.enable_kv_cache,
+            "admission": self.scheduler.admission,
             "speculative": ({"method": "ngram", "num_speculative_tokens": c.speculative_ngram,
                              "prompt_lookup_min": c.prompt_lookup_min, "prompt_lookup_max": c.prompt_lookup_max}
                             if self.proposer else None),

@@ -34,6 +34,10 @@ class Request:
     last_token_t: float | None = None
     finish_reason: str | None = None
     speculate: bool = True  # may take n-gram drafts (not with a grammar or logprobs: one token at a time)
+    # prefix-aware admission (batchgen.engine.scheduler): the prefix-cache keys of the prompt's first full
+    # blocks (set when it is queued), and how often a request queued behind it was admitted first
+    prefix_keys: tuple[int, ...] = ()
+    passed_over: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,9 +5,16 @@ Each step has a token budget, `max_num_batched_tokens`, spent in one forward pas
    prefilling takes the next chunk of its prompt. If the pool has no block for a request's next
    tokens, the newest running request is preempted (its blocks freed, itself put back at the front
    of the queue, recomputed later from its prompt and the tokens it already produced) until it has.
-2. then waiting requests, first come first served, while the budget, `max_num_seqs` and the pool
-   allow: each takes its longest cached prefix from the prefix cache, then blocks for the chunk it
-   computes now. Admission asks for the blocks needed now, never for the worst case.
+2. then waiting requests, while the budget, `max_num_seqs` and the pool allow: each takes its longest
+   cached prefix from the prefix cache, then blocks for the chunk it computes now. Admission asks for
+   the blocks needed now, never for the worst case.
+   Which waiting request goes next (`admission`): "fifo" takes them as they came; "prefix" (the
+   default) takes, among the first LOOKAHEAD waiting, the one with the most leading blocks in the
+   prefix cache (its system prompt or few-shot block is cached, or shared with a running request,
+   whose blocks are keyed as it is scheduled), the oldest among equals. So rows that share a prefix
+   run while it is cached instead of each recomputing it after the others evicted it: requests group
+   by their first blocks' keys without a sort (SGLang's longest-prefix-match policy, bounded). It is
+   bounded: a request passed over `max_passes` times (default 4 x max_num_seqs) goes next.
 A long prompt therefore never stalls decoding for longer than one step's budget.
 
 With n-gram speculation (batchgen.engine.speculative), a decoding request's chunk also carries the
@@ -79,9 +86,18 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks if not c.is_decode)
 
 
+LOOKAHEAD = 256  # waiting requests prefix-aware admission compares (bounded work per admission)
+PREFIX_BLOCKS = 64  # leading blocks of a prompt compared (a system prompt, few-shot examples)
+ADMISSIONS = ("prefix", "fifo")
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 proposer: NgramProposer | None = None):
+                 proposer: NgramProposer | None = None, admission: str = "prefix", max_passes: int | None = None):
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission {admission!r}: one of {', '.join(ADMISSIONS)}")
+        self.admission = admission
+        self.max_passes = max_passes if max_passes is not None else 4 * max_num_seqs
         self.blocks = blocks
         self.proposer = proposer  # drafts for decoding requests that allow speculation, or None
         self.max_num_seqs = max_num_seqs
@@ -98,6 +114,8 @@ class Scheduler:
         if need > self.blocks.num_blocks:  # it could never finish, even alone in the pool
             raise ValueError(f"request {request.request_id}: needs {need} KV blocks at most, the pool has "
                              f"{self.blocks.num_blocks}; raise --kv-cache-memory or lower max_tokens")
+        if self.admission == "prefix" and self.blocks.enable_prefix_caching:
+            request.prefix_keys = self.blocks.prefix_keys(request.prompt_token_ids, PREFIX_BLOCKS)
         self.waiting.append(request)
 
     @property
@@ -133,13 +151,16 @@ class Scheduler:
                 continue
             break
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+            j = self._next_waiting()
+            req = self.waiting[j]
             computed = self.blocks.computed_blocks(req)
             num_cached = len(computed) * self.blocks.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.blocks.allocate_slots(req, n, computed):
                 break
-            self.waiting.popleft()
+            for k in range(j):  # admitted ahead of them
+                self.waiting[k].passed_over += 1
+            del self.waiting[j]
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
             if req.num_preemptions == 0:
@@ -152,6 +173,23 @@ class Scheduler:
             budget -= n
         out.num_waiting = len(self.waiting)
         return out
+
+    def _next_waiting(self) -> int:
+        """The index in `waiting` of the request to admit next (see the module's docstring)."""
+        head = self.waiting[0]
+        if (self.admission == "fifo" or len(self.waiting) == 1 or head.passed_over >= self.max_passes
+                or head.num_preemptions):  # a preempted request resumes first, as in vLLM
+            return 0
+        best, best_score = 0, self.blocks.num_cached_leading(head.prefix_keys)
+        for j in range(1, min(len(self.waiting), LOOKAHEAD)):
+            r = self.waiting[j]
+            if r.passed_over >= self.max_passes:
+                return j  # it has waited its bound
+            if len(r.prefix_keys) > best_score:
+                score = self.blocks.num_cached_leading(r.prefix_keys)
+                if score > best_score:
+                    best, best_score = j, score
+        return best
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """Draft tokens for a decoding request, within the step's budget, its max_tokens and the context."""

@@ -110,6 +110,9 @@ def render(results: dict[str, pa.Table], run_dirs: list[str]) -> str:
     banner = "".join(f"<p class=partial>{html.escape(n)}</p>" for n in partial_notes(results))
     body = [f"<h1>batchgen report</h1>{banner}<p class=note>{html.escape(', '.join(run_dirs))} — generated "
             f"{time.strftime('%Y-%m-%d %H:%M:%S')}</p><p class=note>{html.escape(METRIC_NOTE)}</p>"]
+    body.append("<section><h2>Rows: generated, reused from earlier runs, errors</h2><p class=note>Rows reused "
+                "(--reuse-from) are copied from the run named in reused_from_run, and no latency or throughput "
+                f"figure counts them.</p>{table_html(results['run_status'])}</section>")
     body.append(f"<section><h2>Headline</h2>{table_html(results['throughput'])}"
                 f"{table_html(results['itl_overall'])}{table_html(results['cost'])}</section>")
     body += [chart_html(c, cond) for c in charts.values()]
