@@ -35,6 +35,8 @@ final as (
         json_extract_string(d.doc, '$.conditions.engine.compile') as compile,
         json_extract_string(d.doc, '$.conditions.engine.sampler') as sampler,
         json_extract_string(d.doc, '$.conditions.engine.cuda_graphs') as cuda_graphs,
+        json_extract_string(d.doc, '$.conditions.engine.batch_invariant') as batch_invariant,
+        json_extract_string(d.doc, '$.conditions.engine.admission') as admission,
         l.prompt_tokens_p50,
         l.prompt_tokens_max,
         l.output_tokens_p50,

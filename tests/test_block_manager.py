@@ -238,3 +238,4 @@ def test_prefix_admission_computes_fewer_prompt_tokens():
         return total
 
     assert computed("prefix") < 0.8 * computed("fifo")
+

@@ -64,6 +64,41 @@ def expected_points(out, meta) -> int:
     return sum(1 for r in rows if keep(r, meta["column"]))
 
 
+def test_the_dataset_page_shows_text_as_text_and_searches_and_sorts(chromium, tmp_path, tiny_model_dir):
+    """A prompt that is a script tag shows as text in the sample of rows: no script runs (no dialog),
+    no console error; the search box filters the rows and a header click sorts them."""
+    script = "<script>alert(1)</script>"
+    prompts = [script, "<img src=x onerror=alert(2)>", "a plain question", "another question", "third one"]
+    inp = write_prompts(tmp_path / "in.parquet", prompts, ids=[f"x{i}" for i in range(5)],
+                        max_tokens=[5, 1, 3, 2, 4])
+    assert main(["generate", "--input", str(inp), "--output", str(tmp_path), "--run-id", "ds", "--model",
+                 str(tiny_model_dir), "--max-model-len", "64", "--keep-columns", "prompt", "--no-progress",
+                 "--ignore-eos"]) == 0
+    assert main(["report", str(tmp_path / "ds"), "--out", str(tmp_path / "rep")]) == 0
+    page = chromium.new_page()
+    watch, dialogs = PageWatch(page), []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    page.goto((tmp_path / "rep" / "report.html").as_uri())
+    page.wait_for_selector("#sample-rows")
+    cells = page.eval_on_selector_all("#sample-rows tbody td", "tds => tds.map(td => td.textContent)")
+    assert script in cells and "<img src=x onerror=alert(2)>" in cells  # shown as the text it is
+    assert page.eval_on_selector_all("#sample-rows script, #sample-rows img", "els => els.length") == 0
+    page.fill("#sample-search", "plain")
+    visible = page.eval_on_selector_all("#sample-rows tbody tr", "trs => trs.filter(t => t.style.display !== 'none')"
+                                                                 ".map(t => t.cells[1].textContent)")
+    assert visible == ["x2"] and page.text_content("#sample-count") == "1"
+    page.fill("#sample-search", "")
+    header = page.eval_on_selector_all("#sample-rows thead th", "ths => ths.map(t => t.textContent)")
+    col = header.index("output_tokens")
+    page.click(f"#sample-rows thead th:nth-child({col + 1})")
+    lengths = page.eval_on_selector_all("#sample-rows tbody tr", f"trs => trs.map(t => +t.cells[{col}].textContent)")
+    assert lengths == sorted(lengths) == [1, 2, 3, 4, 5]
+    page.click(f"#sample-rows thead th:nth-child({col + 1})")  # again: descending
+    assert page.eval_on_selector_all("#sample-rows tbody tr", f"trs => trs.map(t => +t.cells[{col}].textContent)") \
+        == [5, 4, 3, 2, 1]
+    assert dialogs == [] and watch.errors == []
+
+
 def test_report_draws_every_point_offline_without_errors(chromium, report_dir):
     context = chromium.new_context(viewport={"width": 1280, "height": 900}, offline=True)
     outside = []

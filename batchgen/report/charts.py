@@ -250,8 +250,26 @@ def run_delta(results, colors) -> Chart:
                  {"data": data, "layout": layout})
 
 
+def output_lengths(results, colors) -> Chart:
+    """The dataset page's histogram: rows by output length, one bar series per run."""
+    by_run = defaultdict(list)
+    for r in _rows(results["output_lengths"]):
+        by_run[r["run_id"]].append(r)
+    data = [{"type": "bar", "name": run, "marker": {"color": colors.get(run)}, "opacity": 0.75,
+             "x": [r["bin_start"] for r in rows], "y": [r["n"] for r in rows],
+             "width": [r["bin_width"] for r in rows], "offset": 0,
+             "customdata": [r["bin_start"] + r["bin_width"] - 1 for r in rows],
+             "hovertemplate": f"{run}<br>%{{x}}..%{{customdata}} tokens: %{{y}} rows<extra></extra>",
+             "meta": _meta("output_lengths", "n")} for run, rows in sorted(by_run.items())]
+    return Chart("output-lengths", "Output length",
+                 "Rows by the number of tokens generated (generated and reused rows alike); a pile at the right "
+                 "edge is rows cut off by max_tokens.",
+                 {"data": data, "layout": _layout("output tokens", "rows", barmode="overlay")})
+
+
 CHARTS = (itl_vs_context, itl_by_concurrency, ttft_cdf, step_timeline, throughput_over_time, throughput_by_batch,
-          latency_frontier, run_delta)
+          latency_frontier, run_delta, output_lengths)
+DATASET_CHARTS = ("output-lengths",)  # drawn on the dataset page, not among the latency charts
 
 
 def build_charts(results: dict[str, pa.Table]) -> list[Chart]:

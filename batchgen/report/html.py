@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.report.charts import Chart, build_charts
+from batchgen.report.charts import DATASET_CHARTS, Chart, build_charts
 
 METRIC_NOTE = ("Definitions: docs/METRICS.md in batchgen. TTFT includes queueing. TPOT = (last − first token time) / "
                "(n_out − 1), vLLM bench's TPOT (genai-perf's ITL). ITL = gaps between a request's consecutive "
@@ -94,6 +94,65 @@ for (const el of document.querySelectorAll('div.chart')) {
 """
 
 
+DATASET_TABLES = (("Finish reasons", "finish_reasons"), ("Error reasons (numbers shown as N)", "error_reasons"),
+                  ("Outputs that repeat, word for word", "duplicate_outputs"))
+# the sample's search box and sortable columns: rows are compared by their cells' textContent, and no
+# cell is ever written back as HTML, so a row's text stays text
+SAMPLE_JS = """
+(function () {
+  const table = document.getElementById('sample-rows'), box = document.getElementById('sample-search');
+  const body = table.tBodies[0], count = document.getElementById('sample-count');
+  function shown() { count.textContent = [...body.rows].filter(r => r.style.display !== 'none').length; }
+  box.addEventListener('input', () => {
+    const q = box.value.toLowerCase();
+    for (const row of body.rows) row.style.display = row.textContent.toLowerCase().includes(q) ? '' : 'none';
+    shown();
+  });
+  for (const th of table.tHead.rows[0].cells) {
+    th.addEventListener('click', () => {
+      const i = th.cellIndex, numeric = th.dataset.numeric === '1', dir = th.dataset.dir === 'asc' ? -1 : 1;
+      for (const other of table.tHead.rows[0].cells) delete other.dataset.dir;
+      th.dataset.dir = dir === 1 ? 'asc' : 'desc';
+      const key = (row) => row.cells[i].textContent;
+      const rows = [...body.rows].sort((a, b) => dir * (numeric ? (parseFloat(key(a)) || 0) - (parseFloat(key(b)) || 0)
+                                                              : key(a).localeCompare(key(b))));
+      for (const row of rows) body.appendChild(row);
+    });
+  }
+  shown();
+})();
+"""
+
+
+def sample_table_html(t: pa.Table) -> str:
+    """The sample of rows as a searchable table whose headers sort it (SAMPLE_JS); every cell escaped."""
+    numeric = {f.name for f in t.schema if pa.types.is_integer(f.type) or pa.types.is_floating(f.type)}
+    head = "".join(f"<th data-numeric={int(c in numeric)} title='sort'>{html.escape(c)}</th>" for c in t.column_names)
+    body = "".join("<tr>" + "".join(f"<td class=text>{_cell(r[c])}</td>" for c in t.column_names) + "</tr>"
+                   for r in t.to_pylist())
+    return (f"<p><input id=sample-search type=search placeholder='search prompts and outputs' size=40> "
+            f"<span class=note><span id=sample-count>{t.num_rows}</span> of {t.num_rows} rows shown; click a "
+            f"column to sort</span></p><table id=sample-rows class=sample><thead><tr>{head}</tr></thead>"
+            f"<tbody>{body}</tbody></table><script>{SAMPLE_JS}</script>")
+
+
+def dataset_html(results: dict[str, pa.Table], charts: list[Chart], cond: str) -> str:
+    """The page of what was generated: outcomes, finish reasons, output lengths, errors, repeats, and
+    a sample of the rows themselves."""
+    parts = ["<section id=dataset><h2>Dataset: what was generated</h2><p class=note>Generated and reused rows "
+             "alike (reused rows are this run's dataset too). length_share: rows that ran into max_tokens (or the "
+             "context); duplicate_share: rows whose output another row of the run has word for word.</p>",
+             table_html(results["dataset_summary"])]
+    parts += [chart_html(c, cond) for c in charts]
+    parts += [f"<h3>{html.escape(title)}</h3>{table_html(results[name])}" for title, name in DATASET_TABLES]
+    sample = results["sample_rows"]
+    kept = sample.num_rows and any(v is not None for v in sample.column("prompt").to_pylist())
+    parts.append("<h3>A sample of the rows</h3><p class=note>Up to 500 rows per run, the same ones each time"
+                 + ("" if kept else "; prompts show where the run kept them (--keep-columns prompt)") + ".</p>"
+                 + sample_table_html(sample))
+    return "".join(parts) + "</section>"
+
+
 def render(results: dict[str, pa.Table], run_dirs: list[str]) -> str:
     from plotly.offline import get_plotlyjs
 
@@ -115,7 +174,8 @@ def render(results: dict[str, pa.Table], run_dirs: list[str]) -> str:
                 f"figure counts them.</p>{table_html(results['run_status'])}</section>")
     body.append(f"<section><h2>Headline</h2>{table_html(results['throughput'])}"
                 f"{table_html(results['itl_overall'])}{table_html(results['cost'])}</section>")
-    body += [chart_html(c, cond) for c in charts.values()]
+    body += [chart_html(c, cond) for key, c in charts.items() if key not in DATASET_CHARTS]
+    body.append(dataset_html(results, [charts[k] for k in DATASET_CHARTS], cond))
     body.append(f"<section><h2>Run conditions</h2>{conditions_diff_html(results['run_conditions_diff'])}</section>")
     for title, name in tables:
         body.append(f"<section><h2>{html.escape(title)}</h2>{table_html(results[name])}{cond}</section>")
@@ -123,7 +183,9 @@ def render(results: dict[str, pa.Table], run_dirs: list[str]) -> str:
              "margin:6px 0} td,th{border:1px solid #ccc;padding:3px 6px;text-align:right} th{background:#f4f4f4}"
              ".partial{background:#fff3cd;border:1px solid #e0b000;padding:8px;font-weight:bold}"
              "tr.differs td{background:#fff3cd;font-weight:bold} .conditions td:first-child{text-align:left}"
-             ".cond{font-size:11px;color:#555} .note{font-size:12px;color:#555} section{margin-bottom:28px}")
+             ".cond{font-size:11px;color:#555} .note{font-size:12px;color:#555} section{margin-bottom:28px}"
+             ".sample td.text{text-align:left;white-space:pre-wrap;max-width:420px;vertical-align:top}"
+             ".sample th{cursor:pointer}")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>batchgen report</title>"
             f"<style>{style}</style><script>{get_plotlyjs()}</script></head><body>{''.join(body)}"
             f"<script>{DRAW}</script></body></html>")

@@ -26,7 +26,8 @@ SQL_DIR = _sql_dir()
 QUERIES = ("run_status", "run_conditions", "throughput", "request_latency", "itl_overall",
            "itl_by_context_concurrency", "itl_by_concurrency", "itl_per_step", "kv_cache", "throughput_over_time",
            "step_timeline", "step_windows", "step_time_by_batch", "ttft_cdf", "run_comparison",
-           "run_conditions_diff", "run_delta", "latency_frontier", "cost")
+           "run_conditions_diff", "run_delta", "latency_frontier", "cost",
+           "dataset_summary", "finish_reasons", "output_lengths", "error_reasons", "duplicate_outputs", "sample_rows")
 LARGE = {"step_timeline"}  # one row per step: written by DuckDB straight to files, never loaded whole
 
 
