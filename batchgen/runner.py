@@ -33,6 +33,7 @@ from batchgen.data.reuse import ReuseIndex, find_runs, numerics, request_key
 from batchgen.data.run import RunDir, new_run_id
 from batchgen.data.writer import SCHEMAS, ShardWriter
 from batchgen.engine import Engine, EngineDead, RequestRejected, create_engine
+from batchgen.engine.precision import can_be_batch_invariant
 from batchgen.faults import Faults
 from batchgen.metrics.clock import RunClock
 from batchgen.metrics.conditions import hardware, model_fingerprint, software
@@ -76,7 +77,7 @@ def run_identity(cfg: RunConfig, model_dir: Path, input_fingerprint: str) -> dic
     """What must not change under one run id (a resume with other settings is refused). With batch
     invariance on, the settings that only shape batches are left out (BATCH_SHAPE_SETTINGS)."""
     engine_config = asdict(cfg.engine_config)
-    if cfg.engine == "native" and cfg.engine_config.asks_batch_invariance:
+    if cfg.engine == "native" and can_be_batch_invariant(cfg.engine_config):
         for name in BATCH_SHAPE_SETTINGS:
             engine_config.pop(name)
     identity = {"engine": cfg.engine, "model_fingerprint": model_fingerprint(model_dir),

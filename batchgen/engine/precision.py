@@ -181,6 +181,24 @@ def resolve_dtype(requested: str, device: str, batch: int, fp32: str = "auto") -
 
 # ---- `--dtype auto` in a batch-invariant run: among the kernels whose rows do not depend on the batch --
 
+def can_be_batch_invariant(config) -> bool:
+    """Whether an engine made from `config` (batchgen.config.EngineConfig) will be batch-invariant: it
+    asks for it, and the kernels it needs build on this machine (the engine's conditions say it after
+    loading; this answers before, for a run's identity). A resume may then change the batch shape."""
+    if not config.asks_batch_invariance or config.attention_backend not in ("auto", "cpu"):
+        return False
+    from batchgen import kernels
+    from batchgen.model import bgemm
+
+    if kernels.load("attention") is not None:
+        return False
+    gemv_ok = fp32_kernel(config.fp32_kernel, "cpu")[0] is not None if config.fp32_kernel != "onednn" else False
+    if config.quantization == "gguf":
+        return True
+    bf16_ok = bgemm.load() is None
+    return {"float32": gemv_ok, "bfloat16": bf16_ok}.get(config.dtype, gemv_ok or bf16_ok)
+
+
 def measure_invariant(device: str, shapes: list[tuple[int, int]], fp32_width: int, repeats: int = 3) -> dict:
     """float32 on gemv against bfloat16 on bgemm, per band, in turns, over matrices of `shapes` (the
     model's, decode_matrices): {"speeds": {band: {"float32": s, "bfloat16": s}}}."""
