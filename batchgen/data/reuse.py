@@ -123,7 +123,7 @@ class ReuseIndex:
     def _add_run(self, run: RunDir) -> None:
         for m in sorted(run.manifests(), key=lambda m: m["shard"]):
             for entry in (f for f in m["files"] if f["table"] == "requests"):
-                table = self._read_trusted(run, entry)
+                table = self._read_trusted(run, entry, ["request_key", "finish_reason"])
                 if table is None or "request_key" not in table.column_names:
                     continue  # untrusted (recorded), or written before request keys existed
                 keys = table.column("request_key")
@@ -138,8 +138,9 @@ class ReuseIndex:
                 self.db.unregister("incoming")
                 self.num_keys += rows.num_rows
 
-    def _read_trusted(self, run: RunDir, entry: dict) -> pa.Table | None:
-        """The file's table if its bytes are what its manifest says, else None (and why, recorded)."""
+    def _read_trusted(self, run: RunDir, entry: dict, columns: list[str] | None = None) -> pa.Table | None:
+        """The file's table (`columns` of it, those present) if its bytes are what its manifest says,
+        else None (and why, recorded)."""
         where = run.store.path(entry["path"])
         try:
             data = run.store.read_bytes(entry["path"])
@@ -149,7 +150,10 @@ class ReuseIndex:
         if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
             self.untrusted.append(f"{where} does not match the size and sha256 in its manifest")
             return None
-        return pq.read_table(pa.BufferReader(data))
+        if columns is not None:
+            present = set(pq.read_schema(pa.BufferReader(data)).names)
+            columns = [c for c in columns if c in present]
+        return pq.read_table(pa.BufferReader(data), columns=columns)
 
     def lookup(self, keys: list[str]) -> dict[str, dict[str, Any]]:
         """key -> the earlier row (a dict of its requests/ columns, plus `source_run`), for the keys found."""
