@@ -91,7 +91,8 @@ class ModelRunner:
         # and runs bf16 on batchgen's bgemm (its rows do not depend on the batch) where it builds
         invariant = config.batch_invariant == "on" and config.device == "cpu" and config.pack_weights
         batch = INVARIANT_BATCH if invariant else config.max_num_seqs
-        bf16_isa = bgemm.isa() if invariant and bgemm.load() is None else None
+        # (bf16 under n-gram speculation is not invariant yet, see batch_invariance(): auto leaves it out)
+        bf16_isa = bgemm.isa() if invariant and not config.speculative_ngram and bgemm.load() is None else None
         if config.quantization == "int4":
             if not can_int4(config.device):
                 raise ValueError(f"quantization int4 needs PyTorch's int4 CPU kernel; device {config.device!r} "
