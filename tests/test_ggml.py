@@ -169,7 +169,7 @@ def test_dtype_auto_takes_the_shipped_blocks_where_they_measure_faster(isas, rea
         "speeds": dense, "bytes_fp32": 1 << 20})
     calls = []
 
-    def measure_gguf_double(device, shapes, dtype, fp32_width, repeats=3):  # test double: gguf wins at 1, 8
+    def measure_gguf_double(device, shapes, dtype, fp32_width, repeats=3, bf16_tiles=False):  # double: gguf wins at 1, 8
         calls.append((dtype, len(shapes)))
         return {"speeds": {str(b): {"gguf": 0.5 if b < 64 else 2.0, dtype: 1.0} for b in precision.BANDS},
                 "matrices": len(shapes)}
