@@ -139,10 +139,12 @@ def test_report_cli_writes_tables_and_an_offline_html(runs, tmp_path, capsys):
         assert (out / f"{name}.parquet").is_file() and (out / f"{name}.csv").is_file()
     page = (out / "report.html").read_text()
     # one inlined Plotly bundle, nothing fetched: no script or stylesheet from anywhere
-    assert page.count("<script>") == 2 and "<script src" not in page and "<link" not in page
+    # three inline scripts (Plotly, the charts, the sample table's search and sort), nothing fetched
+    assert page.count("<script>") == 3 and "<script src" not in page and "<link" not in page
     assert page.count("Plotly.newPlot") == 1 and page.count("<div class=chart") == len(build_charts_for(out))
     # every chart and table is captioned with its conditions (the conditions table is the conditions)
-    assert page.count("Run conditions —") == page.count("<section>") - 2  # less the headline and conditions
+    # less the headline, the conditions and the rows (generated / reused / errors: counts, not measurements)
+    assert page.count("Run conditions —") == page.count("<section>") - 3
 
 
 def build_charts_for(out):
