@@ -337,15 +337,6 @@ class EngineConfig:
                  f"activations it takes a reference path measured 15x slower): use dtype auto or bfloat16, "
                  f"not {self.dtype!r}")
 
-    @property
-    def asks_batch_invariance(self) -> bool:
-        """Whether these settings ask for batch-invariant rows that the native engine's CPU kernels give:
-        batch_invariant on, on CPU, with a dtype and kernel that can be (the engine's conditions say
-        whether it held, e.g. without a C++ compiler it cannot)."""
-        return (self.batch_invariant == "on" and self.device == "cpu" and self.dtype in ("auto", "float32", "bfloat16")
-                and self.fp32_kernel != "onednn" and self.quantization != "int4"
-                and not (self.speculative_ngram and self.dtype != "float32"))  # bf16 with drafts: not yet
-
     def kv_pool_bytes(self, bytes_per_token: int, free_bytes: int) -> int:
         """The KV pool's size in bytes, for either engine; `free_bytes`: the device's free memory once
         the weights are in (used only for a fraction; without any budget, CPU takes a fixed 1 GiB and

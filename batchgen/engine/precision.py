@@ -27,8 +27,8 @@ BANDS = (1, 8, 64, 256)
 # A batch-invariant run (EngineConfig.batch_invariant, the default) chooses by the machine alone, never
 # by its max_num_seqs: for the band of this batch (the default max_num_seqs'), and only among kernels
 # that sum each row in one fixed order whatever the rows beside it: float32 on batchgen's gemv, bfloat16
-# on batchgen's bgemm, the model's GGUF blocks on qgemv (resolve_invariant_dtype). oneDNN's bf16/fp16 (and fp32) GEMMs pick their blocking by the
-# number of rows and threads: measured on a 2-core Xeon with AMX, a row of a bf16 [960 x 576] product
+# on batchgen's bgemm, the model's GGUF blocks on qgemv (resolve_invariant_dtype). oneDNN's bf16/fp16
+# (and fp32) GEMMs pick their blocking by the number of rows and threads: measured on a 2-core Xeon with AMX, a row of a bf16 [960 x 576] product
 # came out the same alone and among 1..32 rows, differed among 33..500, and agreed again at 512.
 INVARIANT_BATCH = 32
 CANDIDATES = ("float32", "bfloat16", "float16")
@@ -185,7 +185,9 @@ def can_be_batch_invariant(config) -> bool:
     """Whether an engine made from `config` (batchgen.config.EngineConfig) will be batch-invariant: it
     asks for it, and the kernels it needs build on this machine (the engine's conditions say it after
     loading; this answers before, for a run's identity). A resume may then change the batch shape."""
-    if not config.asks_batch_invariance or config.attention_backend not in ("auto", "cpu"):
+    if (config.batch_invariant != "on" or config.device != "cpu" or config.attention_backend not in ("auto", "cpu")
+            or config.dtype not in ("auto", "float32", "bfloat16") or config.quantization == "int4"
+            or (config.dtype == "bfloat16" and config.speculative_ngram)):  # bf16 with drafts: not yet
         return False
     from batchgen import kernels
     from batchgen.model import bgemm
