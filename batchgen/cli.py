@@ -32,6 +32,9 @@ def cmd_generate(args) -> int:
     def started(opened) -> None:
         print(f"batchgen: run {opened.run.path}{' (resuming)' if opened.resumed else ''}; "
               f"resume with --run-id {opened.run.name}", file=sys.stderr)
+        print(f"batchgen: {opened.num_shards} shards of up to {opened.cfg.shard_size} rows, in "
+              f"{'prefix order' if opened.shard_by == 'prefix' else 'input order'} ({opened.shard_by_why})",
+              file=sys.stderr)
 
     summary = generate(settings.to_run_config(), on_start=started)
     rate = summary.output_tokens / summary.wall_s if summary.wall_s else 0.0

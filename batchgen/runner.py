@@ -26,6 +26,7 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from batchgen.config import RunConfig
+from batchgen.data import order
 from batchgen.data.fs import join
 from batchgen.data.prompts import InputProcessor, PreparedRow, RowError
 from batchgen.data.reader import InputError, PromptDataset, Shard
@@ -60,6 +61,8 @@ class OpenRun:
     dataset: PromptDataset
     model_dir: Path
     resumed: bool
+    shard_by: str = "order"  # the order the shards were cut in (--shard-by resolved), and why
+    shard_by_why: str = ""
 
     @property
     def num_shards(self) -> int:
@@ -73,9 +76,10 @@ BATCH_SHAPE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memo
                         "admission")
 
 
-def run_identity(cfg: RunConfig, model_dir: Path, input_fingerprint: str) -> dict[str, Any]:
+def run_identity(cfg: RunConfig, model_dir: Path, input_fingerprint: str, shard_by: str) -> dict[str, Any]:
     """What must not change under one run id (a resume with other settings is refused). With batch
-    invariance on, the settings that only shape batches are left out (BATCH_SHAPE_SETTINGS)."""
+    invariance on, the settings that only shape batches are left out (BATCH_SHAPE_SETTINGS).
+    `shard_by`: the order the shards were cut in ('prefix' or 'order', --shard-by auto resolved)."""
     engine_config = asdict(cfg.engine_config)
     if cfg.engine == "native" and can_be_batch_invariant(cfg.engine_config):
         for name in BATCH_SHAPE_SETTINGS:
@@ -83,7 +87,7 @@ def run_identity(cfg: RunConfig, model_dir: Path, input_fingerprint: str) -> dic
     identity = {"engine": cfg.engine, "model_fingerprint": model_fingerprint(model_dir),
                 "engine_config": engine_config, "sampling": asdict(cfg.sampling),
                 "engine_options": [list(p) for p in cfg.engine_options], "input_fingerprint": input_fingerprint,
-                "shard_size": cfg.shard_size, "too_long": cfg.too_long,
+                "shard_size": cfg.shard_size, "shard_by": shard_by, "too_long": cfg.too_long,
                 "chat_template_kwargs": [list(p) for p in cfg.chat_template_kwargs], "n": cfg.n,
                 "lora_adapters": [list(p) for p in cfg.lora_adapters],
                 "keep_columns": list(cfg.keep_columns)}
@@ -103,14 +107,22 @@ def open_run(cfg: RunConfig, faults: Faults | None = None) -> OpenRun:
         check_vllm_options(dict(cfg.engine_options))
     run = RunDir(join(cfg.output_dir, cfg.run_id or new_run_id()), faults)
     model_dir = resolve_model(cfg.model)
-    identity = run_identity(cfg, model_dir, dataset.fingerprint())
-    info = {"input": {"files": dataset.files, "rows": dataset.num_rows, "shards": dataset.num_shards(cfg.shard_size)},
+    shard_by, why = order.resolve(dataset, cfg.shard_by)
+    identity = run_identity(cfg, model_dir, dataset.fingerprint(), shard_by)
+    info = {"input": {"files": dataset.files, "rows": dataset.num_rows, "shards": dataset.num_shards(cfg.shard_size),
+                      "shard_by": shard_by, "shard_by_why": why},
             "model": str(model_dir), "software": software()}
     if cfg.reuse_from:  # a location without a run is refused now, before any work
         info["reuse_from"] = {"locations": list(cfg.reuse_from), "runs": find_runs(list(cfg.reuse_from),
                                                                                    exclude=str(run.path))}
     resumed = run.open(identity, info)
-    return OpenRun(cfg, run, dataset, model_dir, resumed)
+    if shard_by == "prefix":
+        try:
+            dataset = order.ensure(dataset, run.store, cfg.shard_size)
+        except BaseException:
+            run.unlock()
+            raise
+    return OpenRun(cfg, run, dataset, model_dir, resumed, shard_by, why)
 
 
 @functools.lru_cache(maxsize=4)
@@ -303,7 +315,9 @@ def run_shard_in_worker(cfg: RunConfig, run_path: str, index: int, worker: Worke
     engine = worker.load_engine(cfg, model_dir)
     worker.record_once(run, cfg, engine)
     try:
-        manifest = run_shard(cfg, run, PromptDataset(cfg.inputs, cfg.keep_columns), engine, index,
+        dataset = order.planned(PromptDataset(cfg.inputs, cfg.keep_columns), run.store,
+                                run.read_json()["identity"].get("shard_by", "order"))
+        manifest = run_shard(cfg, run, dataset, engine, index,
                              reuse=worker.reuse_index(cfg, run_path))
     except BaseException:
         worker.drop_engine(engine)  # its state is unknown (a dead vLLM core, half-fed requests): start clean

@@ -58,7 +58,7 @@ class _Settings(BaseModel):
     def to_run_config(self) -> RunConfig:
         take = lambda names: {n: getattr(self, n) for n in names}  # noqa: E731
         return RunConfig(
-            inputs=tuple(self.input), output_dir=self.output, **take(RUN_FIELDS + ("shard_size", "too_long", "n",
+            inputs=tuple(self.input), output_dir=self.output, **take(RUN_FIELDS + ("shard_size", "shard_by", "too_long", "n",
                                                                                    "output_format", "progress")),
             engine_config=EngineConfig(seed=self.seed, **take(ENGINE_FIELDS)),
             sampling=SamplingParams(stop=tuple(self.stop), ignore_eos=self.ignore_eos, logprobs=self.logprobs,
@@ -98,7 +98,7 @@ GenerateSettings = create_model(
                                              "whose request key (model, dtype, prompt tokens, sampling, seed) an "
                                              "earlier batch-invariant run committed are copied, not generated")),
     **{n: _from_config(EngineConfig, n) for n in ENGINE_FIELDS},
-    **{n: _from_config(RunConfig, n) for n in ("shard_size", "too_long")},
+    **{n: _from_config(RunConfig, n) for n in ("shard_size", "shard_by", "too_long")},
     lora_adapters=(dict[str, str], Field(default_factory=dict, title="LoRA adapters (vLLM engine)",
                                          description="NAME=PATH of local PEFT adapter directories; a row's lora "
                                                      "column names the one it uses")),

@@ -12,6 +12,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 
+from batchgen.data.order import lane_split
 from batchgen.runner import Worker, abandon, finalize, open_run, run_shard_in_worker
 from batchgen.settings import GenerateSettings
 
@@ -26,6 +27,11 @@ class FanOut(BaseModel):
                                     description="'auto', 'ray://head:10001' or empty for in-process")
     gpus_per_shard: float = Field(0.0, ge=0, title="GPUs per shard task (Ray)",
                                   description="1 on GPU workers: Ray then pins one GPU to each shard task")
+    lanes: int = Field(0, ge=0, title="Lanes for a prefix-ordered run (Ray)",
+                       description="its shards go out as this many tasks, each a contiguous run of shards done in "
+                                   "one worker process, so that process's prefix cache carries over between shards "
+                                   "that share a prefix; 0: as many as the cluster runs at once (its GPUs / GPUs "
+                                   "per shard, or its CPUs)")
 
 
 @functools.cache
@@ -43,6 +49,31 @@ def generate_shard(settings: GenerateSettings, run_path: str, index: int) -> dic
     """Generate and commit one shard (a committed shard is skipped, a partial one redone)."""
     manifest = run_shard_in_worker(settings.to_run_config(), run_path, index, process_worker())
     return {**manifest, "worker": _worker_name()}
+
+
+@task(retries=2, retry_delay_seconds=10, task_run_name="lane-{lane}")
+def generate_lane(settings: GenerateSettings, run_path: str, lane: int, indices: list[int]) -> list[dict[str, Any]]:
+    """Generate a contiguous run of shards of a prefix-ordered run, in order, in this one process: rows
+    that share a prefix sit in adjacent shards, and the engine's prefix cache carries over between them.
+    A retry skips the shards already committed."""
+    logger = get_run_logger()
+    manifests = []
+    for index in indices:
+        manifest = run_shard_in_worker(settings.to_run_config(), run_path, index, process_worker())
+        manifests.append({**manifest, "worker": _worker_name()})
+        logger.info("lane %s: shard %s %s", lane, index, "was already committed" if manifest.get("skipped")
+                    else "committed")
+    return manifests
+
+
+def _ray_slots(gpus_per_shard: float) -> int:
+    """How many shard tasks the connected Ray cluster runs at once."""
+    import ray
+
+    resources = ray.cluster_resources()
+    if gpus_per_shard:
+        return int(resources.get("GPU", 0) // gpus_per_shard) or 1
+    return int(resources.get("CPU", 1)) or 1
 
 
 def _worker_name() -> str:
@@ -69,29 +100,37 @@ def _task_runner(fanout: FanOut):
 
 @flow(name="batchgen-generate-shards")
 def generate_shards(settings: GenerateSettings, run_path: str, indices: list[int],
-                    gpus_per_shard: float = 0.0) -> list[dict[str, Any]]:
-    """Fan the shards out over the flow's task runner and report progress as they commit."""
+                    gpus_per_shard: float = 0.0, lanes: int | None = None) -> list[dict[str, Any]]:
+    """Fan the shards out over the flow's task runner and report progress as they commit: one task per
+    shard, or (`lanes`, a prefix-ordered run on Ray; 0 for as many as the cluster runs at once) one task
+    per contiguous run of shards."""
     logger = get_run_logger()
     progress = create_progress_artifact(0.0, description=f"shards committed of run {run_path}")
+    if lanes is not None:
+        work = [(generate_lane, (settings, run_path, k, run))
+                for k, run in enumerate(lane_split(indices, lanes or _ray_slots(gpus_per_shard)))]
+    else:
+        work = [(generate_shard, (settings, run_path, index)) for index in indices]
     futures = []
-    for index in indices:
+    for fn, args in work:
         if gpus_per_shard:
             from prefect_ray.context import remote_options
 
             with remote_options(num_gpus=gpus_per_shard):
-                futures.append(generate_shard.submit(settings, run_path, index))
+                futures.append(fn.submit(*args))
         else:
-            futures.append(generate_shard.submit(settings, run_path, index))
+            futures.append(fn.submit(*args))
     manifests = []
     for future in as_completed(futures):
-        m = future.result()
-        manifests.append(m)
-        update_progress_artifact(progress, 100.0 * len(manifests) / max(len(futures), 1))
-        if m.get("skipped"):
-            logger.info("shard %s was already committed", m["shard"])
-        else:
-            logger.info("shard %s committed: %s rows, %s outputs, %s errors, %s tokens", m["shard"], m["rows"],
-                        m["ok"], m["errors"], m["output_tokens"])
+        result = future.result()
+        for m in result if isinstance(result, list) else [result]:
+            manifests.append(m)
+            if m.get("skipped"):
+                logger.info("shard %s was already committed", m["shard"])
+            else:
+                logger.info("shard %s committed: %s rows, %s outputs, %s errors, %s tokens", m["shard"], m["rows"],
+                            m["ok"], m["errors"], m["output_tokens"])
+        update_progress_artifact(progress, 100.0 * len(manifests) / max(len(indices), 1))
     return manifests
 
 
@@ -108,11 +147,13 @@ def generate(settings: GenerateSettings, fanout: FanOut = FanOut()) -> dict[str,
         settings = settings.model_copy(update={"run_id": f"flow-{flow_run.get_id()[:8]}"})
     settings = settings.model_copy(update={"progress": False})
     opened = open_run(settings.to_run_config(), process_worker().faults)
-    logger.info("run %s: %s rows in %s shards%s", opened.run.path, opened.dataset.num_rows, opened.num_shards,
-                " (resuming)" if opened.resumed else "")
+    logger.info("run %s: %s rows in %s shards%s, in %s order (%s)", opened.run.path, opened.dataset.num_rows,
+                opened.num_shards, " (resuming)" if opened.resumed else "", opened.shard_by, opened.shard_by_why)
     try:
         shards_flow = generate_shards.with_options(task_runner=_task_runner(fanout))
-        manifests = shards_flow(settings, str(opened.run.path), list(range(opened.num_shards)), fanout.gpus_per_shard)
+        lanes = fanout.lanes if fanout.ray_address and opened.shard_by == "prefix" else None
+        manifests = shards_flow(settings, str(opened.run.path), list(range(opened.num_shards)), fanout.gpus_per_shard,
+                                lanes)
     except BaseException as e:
         abandon(opened, e)
         raise
@@ -122,4 +163,6 @@ def generate(settings: GenerateSettings, fanout: FanOut = FanOut()) -> dict[str,
                             "reused": summary["reused"], "errors": summary["errors"], "shards": summary["shards"]}],
                           key=ROWS_KEY, description="rows generated, reused from earlier runs (--reuse-from), errors")
     workers = sorted({m["worker"] for m in manifests})
-    return {"run_dir": str(opened.run.path), **summary, "workers": workers}
+    shard_workers = {m["shard"]: m["worker"] for m in manifests}
+    return {"run_dir": str(opened.run.path), **summary, "workers": workers, "shard_by": opened.shard_by,
+            "shard_workers": [shard_workers[i] for i in range(opened.num_shards)]}

@@ -37,6 +37,7 @@ final as (
         json_extract_string(d.doc, '$.conditions.engine.cuda_graphs') as cuda_graphs,
         json_extract_string(d.doc, '$.conditions.engine.batch_invariant') as batch_invariant,
         json_extract_string(d.doc, '$.conditions.engine.admission') as admission,
+        coalesce(json_extract_string(d.doc, '$.identity.shard_by'), 'order') as shard_by,
         l.prompt_tokens_p50,
         l.prompt_tokens_max,
         l.output_tokens_p50,

@@ -3,16 +3,21 @@ size on the tiny model. The scheduler's own rules are tested alone in test_block
 
 
 def test_the_prefix_order_benchmark_runs_at_a_small_size(tiny_model_dir, capsys):
-    """`python -m batchgen.benchmarks.prefix` (320 rows by default) at 24 rows on the tiny model: the
-    three variants, ratios and conditions printed; random order with prefix admission computes fewer
-    prompt tokens than with first-come admission (exact counts, not speed)."""
+    """`python -m batchgen.benchmarks.prefix` (320 rows by default) at 24 rows on the tiny model: the four
+    variants with 1 and 2 workers, ratios, conditions and the staging cost printed; random order computes
+    fewer prompt tokens with prefix admission than first come, and fewer again in prefix-ordered shards
+    (exact counts, not speed)."""
     from batchgen.benchmarks import prefix
 
-    prefix.main(["--rows", "24", "--shard-size", "12", "--max-num-seqs", "4", "--kv-cache-tokens", "640",
-                 "--new-tokens", "2", "--repeats", "1", "--model", str(tiny_model_dir)])
+    prefix.main(["--rows", "24", "--shard-size", "6", "--max-num-seqs", "4", "--kv-cache-tokens", "640",
+                 "--new-tokens", "2", "--repeats", "1", "--model", str(tiny_model_dir), "--stage-rows", "3000"])
     out = capsys.readouterr().out
-    assert "conditions: 24 rows, 8 system prompts" in out and "targets:" in out
-    rows = {line[:28].strip(): line[28:].split() for line in out.splitlines()
-            if line.startswith(("sorted by hand", "random /"))}
-    assert set(rows) == {"sorted by hand / fifo", "random / fifo (before)", "random / prefix"}
-    assert int(rows["random / prefix"][0]) < int(rows["random / fifo (before)"][0])
+    assert "conditions: 24 rows, 8 system prompts" in out and "targets, random, prefix shards, 2 workers" in out
+    assert "staging the prefix order of 3,000 rows" in out
+    rows = {(line[:27].strip(), int(line[27:35])): line[35:].split() for line in out.splitlines()
+            if line.startswith(("sorted by hand", "random,"))}
+    assert set(rows) == {(name, w) for name in prefix.LABELS.values() for w in (1, 2)}
+    for w in (1, 2):
+        computed = {name: int(rows[(label, w)][0]) for name, label in prefix.LABELS.items()}
+        assert computed["prefix"] <= computed["admission"] < computed["fifo"], computed
+        assert computed["prefix"] < computed["fifo"]

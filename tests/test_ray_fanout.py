@@ -71,3 +71,28 @@ def test_two_ray_workers_write_the_shards_of_one_run_to_the_same_bucket(tmp_path
     assert len([w for w in on_ray["workers"] if w.startswith("ray-node-")]) == 2, on_ray["workers"]
     assert outputs(on_ray["run_dir"]) == outputs(local["run_dir"])
     assert Store(on_ray["run_dir"]).exists("_SUCCESS")
+
+
+def test_a_prefix_ordered_run_goes_out_in_lanes_of_adjacent_shards(tmp_path, tiny_model_dir, ray_cluster):
+    """Shards that share a prefix are adjacent in prefix order; each lane (one per Ray worker here) takes a
+    contiguous run of them in one process, whose prefix cache carries over."""
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchgen.settings import GenerateSettings
+    from flows.generate import FanOut, generate
+
+    rng = random.Random(0)
+    sys_ = [f"You are helper {j}. " + " ".join(f"rule{j}-{w}" for w in range(60)) for j in range(2)]
+    rows = [{"id": f"r{i:02d}", "system": sys_[rng.randrange(2)], "prompt": f"question {i}"} for i in range(16)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    base = dict(input=[str(tmp_path / "in.parquet")], output=str(tmp_path / "runs"), model=str(tiny_model_dir),
+                max_tokens=3, max_model_len=512, max_num_seqs=2, shard_size=2)
+    on_ray = generate(GenerateSettings(**base, run_id="ray-prefix"), FanOut(ray_address=ray_cluster.address))
+    local = generate(GenerateSettings(**base, run_id="local-order", shard_by="order"))
+    assert on_ray["shard_by"] == "prefix" and local["shard_by"] == "order"
+    lanes = on_ray["shard_workers"]  # two lanes of four adjacent shards, one per worker node
+    assert lanes[:4] == [lanes[0]] * 4 and lanes[4:] == [lanes[4]] * 4 and lanes[0] != lanes[4], lanes
+    assert outputs(on_ray["run_dir"]) == outputs(local["run_dir"])

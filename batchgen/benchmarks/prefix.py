@@ -2,17 +2,25 @@
 
 The workload (issue #27's): 320 rows, each with one of 8 system prompts of about 250 tokens and a short
 question (the held prompts), 16 new tokens, `--kv-cache-tokens 2048`, `--max-num-seqs 16`, shards of
-80. Each variant is a real `batchgen generate` (in this process, one engine per variant) over the same
-rows, measured from its own run directory:
+80. Each variant is a real run (open_run, each shard on a worker's engine, finalize) over the same rows,
+measured from its own run directory:
 
-- sorted:  the rows sorted by system prompt by hand, first-come admission (the best a person does);
-- fifo:    the rows in random order, first-come admission (what batchgen did before);
-- prefix:  the rows in random order, prefix-aware admission (`--admission prefix`, the default).
+    variant          rows     --shard-by   --admission
+    sorted           by hand  order        fifo          the best a person does
+    fifo             random   order        fifo          what batchgen did before (#27)
+    admission        random   order        prefix        prefix-aware admission within a shard
+    prefix           random   prefix       prefix        the default: prefix-ordered shards as well
 
-Printed per variant: prompt tokens computed (the prefill the steps ran, prefix-cache hits excluded)
-and output tok/s over the steps' window, each the median of `--repeats` (after an untimed warm-up
-run), with ratios against sorted and against fifo, and the run conditions. Speed is noisy on a shared machine: the computed tokens are
-exact, the tok/s are not.
+with 1 worker and with 2. Two workers are two engines (each its own KV pool and prefix cache) in this
+process, taking the shards in turn: one task per shard alternates between them, as Ray deals per-shard
+tasks; a prefix-ordered run gives each a contiguous lane of shards (flows/generate.py). They take turns
+on this machine's cores, so the tok/s of 2 workers says what order costs, not what a second machine adds.
+
+Printed per variant: prompt tokens computed (the prefill the steps ran, prefix-cache hits excluded; exact)
+and output tok/s over the steps' window (noisy on a shared machine), each the median of `--repeats`
+(after an untimed warm-up run, the variants taking turns in each repeat), with ratios against sorted and
+against fifo, and the run conditions. Then the cost of staging the prefix order: `--stage-rows` rows
+(1,000,000 by default) staged in a fresh process, its time and peak memory.
 """
 
 from __future__ import annotations
@@ -48,25 +56,77 @@ def workload(rows: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
     return shuffled, by_system
 
 
-def run_variant(rows: list[dict], out: Path, run_id: str, admission: str, args) -> dict:
+VARIANTS = (("sorted", "order", "fifo"), ("fifo", "order", "fifo"), ("admission", "order", "prefix"),
+            ("prefix", "prefix", "prefix"))
+LABELS = {"sorted": "sorted by hand", "fifo": "random, as before", "admission": "random, prefix admission",
+          "prefix": "random, prefix shards"}
+
+
+def run_variant(rows: list[dict], out: Path, run_id: str, shard_by: str, admission: str, workers: int, args) -> dict:
+    """One run of `rows` on `workers` fresh engines, its shards dealt as the flow deals them."""
     from batchgen.config import EngineConfig, RunConfig, SamplingParams
+    from batchgen.data.order import lane_split
     from batchgen.report.queries import connect, run_query
-    from batchgen.runner import generate
+    from batchgen.runner import Worker, finalize, open_run, run_shard_in_worker
 
     inp = out / f"{run_id}.parquet"
     pq.write_table(pa.Table.from_pylist(rows), inp)
     cfg = RunConfig(inputs=(str(inp),), output_dir=str(out), run_id=run_id, model=args.model,
-                    shard_size=args.shard_size, progress=False,
+                    shard_size=args.shard_size, shard_by=shard_by, progress=False,
                     sampling=SamplingParams(max_tokens=args.new_tokens, ignore_eos=True),
                     engine_config=EngineConfig(max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
                                                admission=admission))
-    summary = generate(cfg, probe=False)
-    con = connect([summary.run_dir])
+    opened = open_run(cfg)
+    shards = list(range(opened.num_shards))
+    if opened.shard_by == "prefix":  # lanes of adjacent shards
+        deal = {i: w for w, lane in enumerate(lane_split(shards, workers)) for i in lane}
+    else:  # per-shard tasks, dealt in turn
+        deal = {i: i % workers for i in shards}
+    engines = [Worker() for _ in range(workers)]
+    try:
+        for i in shards:
+            run_shard_in_worker(cfg, str(opened.run.path), i, engines[deal[i]])
+        finalize(opened)
+    finally:
+        for w in engines:
+            if w.engine is not None:
+                w.drop_engine(w.engine)
+    con = connect([str(opened.run.path)])
     (kv,) = run_query(con, "kv_cache").to_pylist()
     (tp,) = run_query(con, "throughput").to_pylist()
     (cond,) = run_query(con, "run_conditions").to_pylist()
     return {"computed": kv["prefill_tokens_computed"], "cached": kv["prefix_cached_tokens"],
             "tok_s": tp["output_tok_per_s"], "conditions": cond}
+
+
+def stage_cost(rows: int, tmp: str) -> dict:
+    """In its own process: stage `rows` rows of the workload's shape in prefix order; seconds and peak
+    memory above what the process held before (the input is ~{rows} x 1.3 KB)."""
+    import resource
+    import time
+
+    from batchgen.data import order
+    from batchgen.data.fs import Store
+    from batchgen.data.reader import PromptDataset
+
+    shuffled, _ = workload(2000)
+    path = Path(tmp) / "stage-input.parquet"
+    writer = None
+    for lo in range(0, rows, 50_000):  # written in pieces: the input is never whole in this process
+        n = min(50_000, rows - lo)
+        t = pa.table({"id": [f"s{i:08d}" for i in range(lo, lo + n)],
+                      "system": [shuffled[i % 2000]["system"] for i in range(lo, lo + n)],
+                      "prompt": [f"{shuffled[i % 2000]['prompt']} ({i})" for i in range(lo, lo + n)]})
+        writer = writer or pq.ParquetWriter(path, t.schema)
+        writer.write_table(t)
+    writer.close()
+    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # noqa: E731
+    dataset = PromptDataset([str(path)])  # validation reads the id column (as every run does)
+    base = peak()
+    t0 = time.perf_counter()
+    plan = order.stage(dataset, Store(Path(tmp) / "stage-run"), 1000, dataset.fingerprint())
+    return {"rows": rows, "s": time.perf_counter() - t0, "peak": peak() - base,
+            "input_mib": path.stat().st_size / 2**20, "staged_mib": plan["size"] / 2**20}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,37 +138,53 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--stage-rows", type=int, default=1_000_000, help="rows staged to time the prefix order (0: skip)")
     args = p.parse_args(argv)
 
     shuffled, by_system = workload(args.rows)
-    variants = (("sorted", by_system, "fifo"), ("fifo", shuffled, "fifo"), ("prefix", shuffled, "prefix"))
-    got: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
+    inputs = {"sorted": by_system}
+    cells = [(name, w) for w in args.workers for name, _, _ in VARIANTS]
+    got: dict[tuple[str, int], list[dict]] = {c: [] for c in cells}
     with tempfile.TemporaryDirectory(prefix="batchgen-prefix-bench-") as tmp:
         # untimed: the machine's first engine compiles its decode buckets (later ones find Inductor's cache)
-        run_variant(by_system[:2 * args.max_num_seqs], Path(tmp), "warm-up", "fifo", args)
+        run_variant(by_system[:2 * args.max_num_seqs], Path(tmp), "warm-up", "order", "fifo", 1, args)
         for rep in range(args.repeats):  # the variants take turns in each repeat
-            for name, rows, admission in variants:
-                got[name].append(run_variant(rows, Path(tmp), f"{name}-{rep}", admission, args))
-    c = got["sorted"][0]["conditions"]
+            for name, shard_by, admission in VARIANTS:
+                for w in args.workers:
+                    got[(name, w)].append(run_variant(inputs.get(name, shuffled), Path(tmp), f"{name}-{w}-{rep}",
+                                                      shard_by, admission, w, args))
+        staged = None
+        if args.stage_rows:
+            import multiprocessing
+
+            with multiprocessing.get_context("spawn").Pool(1) as pool:  # its peak memory is its own
+                staged = pool.apply(stage_cost, (args.stage_rows, tmp))
+    c = got[cells[0]][0]["conditions"]
     print(f"conditions: {args.rows} rows, {N_SYSTEMS} system prompts of ~250 tokens, {args.new_tokens} new tokens, "
           f"max_num_seqs {args.max_num_seqs}, kv_cache_tokens {args.kv_cache_tokens}, shards of {args.shard_size}; "
           f"{c.get('engine')} {c.get('dtype')} on {c.get('device_name')} ({c.get('cpu_cores')} cores); "
-          f"median of {args.repeats} repeats, variants interleaved")
-    med = {name: {k: statistics.median(r[k] for r in runs) for k in ("computed", "cached", "tok_s")}
-           for name, runs in got.items()}
-    print(f"{'order / admission':<28}{'prompt tokens computed':>24}{'cached':>9}{'output tok/s':>14}"
-          f"{'computed vs sorted':>20}{'tok/s vs sorted':>17}{'tok/s vs fifo':>15}")
-    labels = {"sorted": "sorted by hand / fifo", "fifo": "random / fifo (before)", "prefix": "random / prefix"}
-    for name, m in med.items():
-        print(f"{labels[name]:<28}{m['computed']:>24.0f}{m['cached']:>9.0f}{m['tok_s']:>14.1f}"
-              f"{m['computed'] / med['sorted']['computed']:>19.2f}x{m['tok_s'] / med['sorted']['tok_s']:>16.2f}x"
-              f"{m['tok_s'] / med['fifo']['tok_s']:>14.2f}x")
-    ratio = med["prefix"]["computed"] / med["sorted"]["computed"]
-    speed = med["prefix"]["tok_s"] / med["sorted"]["tok_s"]
-    print(f"targets: random order computes {ratio:.2f}x the hand-sorted prompt tokens (target <= 1.15x) "
-          f"{'met' if ratio <= 1.15 else 'MISSED'}; reaches {speed:.2f}x its tok/s (target >= 0.95x) "
-          f"{'met' if speed >= 0.95 else 'MISSED'}")
-
+          f"median of {args.repeats} repeats, variants interleaved; 2 workers take turns on the same cores")
+    med = {cell: {k: statistics.median(r[k] for r in runs) for k in ("computed", "cached", "tok_s")}
+           for cell, runs in got.items()}
+    print(f"{'rows':<27}{'workers':>8}{'prompt tokens computed':>24}{'cached':>9}{'output tok/s':>14}"
+          f"{'computed vs sorted':>20}{'tok/s vs sorted':>17}{'tok/s vs before':>17}")
+    for name, w in cells:
+        m, base, before = med[(name, w)], med[("sorted", w)], med[("fifo", w)]
+        print(f"{LABELS[name]:<27}{w:>8}{m['computed']:>24.0f}{m['cached']:>9.0f}{m['tok_s']:>14.1f}"
+              f"{m['computed'] / base['computed']:>19.2f}x{m['tok_s'] / base['tok_s']:>16.2f}x"
+              f"{m['tok_s'] / before['tok_s']:>16.2f}x")
+    for w in args.workers:
+        for name in ("admission", "prefix"):
+            ratio = med[(name, w)]["computed"] / med[("sorted", w)]["computed"]
+            speed = med[(name, w)]["tok_s"] / med[("sorted", w)]["tok_s"]
+            print(f"targets, {LABELS[name]}, {w} worker{'s' if w > 1 else ''}: {ratio:.2f}x the hand-sorted prompt "
+                  f"tokens (<= 1.15x) {'met' if ratio <= 1.15 else 'MISSED'}; {speed:.2f}x its tok/s (>= 0.95x) "
+                  f"{'met' if speed >= 0.95 else 'MISSED'}")
+    if staged:
+        print(f"staging the prefix order of {staged['rows']:,} rows ({staged['input_mib']:.0f} MiB of Parquet, shards "
+              f"of 1000): {staged['s']:.1f} s, peak memory +{staged['peak']:.0f} MiB, staged file "
+              f"{staged['staged_mib']:.0f} MiB (one run)")
 
 if __name__ == "__main__":
     main()

@@ -16,6 +16,7 @@ What the commit protocol (batchgen.data.run) needs from storage, and how each ki
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 from batchgen.data.storage import durable_write, fsync_dir, sha256_file
@@ -132,6 +133,22 @@ class Store:
             durable_write(p, data, atomic=atomic)
         else:
             self.fs.pipe_file(self._key(rel), data)
+
+    def put_file(self, rel: str, local: Path) -> None:
+        """A local file, streamed in, durably and whole (local: copied under a temporary name, then renamed)."""
+        if self.local:
+            import shutil
+
+            p = self.root / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+            shutil.copyfile(local, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+            fsync_dir(p.parent)
+        else:
+            self.fs.put_file(str(local), self._key(rel))
 
     def delete(self, rel: str) -> None:
         if self.local:

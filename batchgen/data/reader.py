@@ -10,6 +10,7 @@ line that names the file and the column before any generation starts.
 
 from __future__ import annotations
 
+import copy
 import glob as globlib
 import hashlib
 import os
@@ -27,6 +28,7 @@ from batchgen.data.fs import filesystem, is_uri
 from batchgen.data.storage import sha256_file
 
 PROMPT, MESSAGES, ID = "prompt", "messages", "id"
+ROW = "_row"  # a staged row's number in the input (batchgen.data.order)
 PARAM_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "n")
 ROW_COLUMNS = ("stop", "system", "chat_template_kwargs", "response_format", "lora")  # per-row request options, checked row by row
 
@@ -166,6 +168,7 @@ class PromptDataset:
         self.num_rows = 0
         self._rows_per_file: list[tuple[str, int]] = []
         self._jsonl: dict[str, pa.Table] = {}  # JSONL inputs, read whole
+        self._staged: str | None = None  # the rows in another order (ordered_by)
         file_schemas: list[pa.Schema] = []
         for f in self.files:
             if is_jsonl(f):
@@ -263,6 +266,14 @@ class PromptDataset:
         h.update(str(self.schema).encode())
         return h.hexdigest()[:16]
 
+    def ordered_by(self, staged: str) -> "PromptDataset":
+        """This dataset, its rows read from `staged`: the same rows in another order, written by
+        batchgen.data.order with each row's input row number in ROW. Ids, fingerprint and schema stay
+        the input's."""
+        other = copy.copy(self)
+        other._staged = staged
+        return other
+
     def num_shards(self, shard_size: int) -> int:
         return -(-self.num_rows // shard_size)
 
@@ -270,7 +281,7 @@ class PromptDataset:
         """Deterministic shards of `shard_size` rows, in file order then row order, in one streaming pass."""
         pending: list[pa.Table] = []
         pending_rows, index = 0, 0
-        for piece in self._pieces(0, self.num_rows):
+        for piece in self.pieces(0, self.num_rows):
             pending.append(piece)
             pending_rows += piece.num_rows
             while pending_rows >= shard_size:
@@ -288,9 +299,9 @@ class PromptDataset:
         lo, hi = index * shard_size, min((index + 1) * shard_size, self.num_rows)
         if not 0 <= lo < hi:
             raise IndexError(f"shard {index} is out of range ({self.num_shards(shard_size)} shards)")
-        return self._shard(index, pa.concat_tables(list(self._pieces(lo, hi))), lo)
+        return self._shard(index, pa.concat_tables(list(self.pieces(lo, hi))), lo)
 
-    def _pieces(self, lo: int, hi: int, batch_size: int = 4096) -> Iterator[pa.Table]:
+    def pieces(self, lo: int, hi: int, batch_size: int = 4096) -> Iterator[pa.Table]:
         """Tables covering the global rows [lo, hi), normalised to the unified schema."""
         offset = 0
         for path, n_rows in self._file_rows():
@@ -312,7 +323,7 @@ class PromptDataset:
                     groups.append(g)
                     pos = start if pos is None else pos
                 start += n
-            present = [c for c in self.columns if c in pf.schema_arrow.names]
+            present = [c for c in (*self.columns, ROW) if c in pf.schema_arrow.names]
             for batch in pf.iter_batches(batch_size=batch_size, row_groups=groups, columns=present):
                 b_lo, b_hi = max(f_lo, pos), min(f_hi, pos + batch.num_rows)
                 if b_lo < b_hi:
@@ -322,16 +333,23 @@ class PromptDataset:
                     break
 
     def _file_rows(self) -> list[tuple[str, int]]:
-        return self._rows_per_file
+        return [(self._staged, self.num_rows)] if self._staged else self._rows_per_file
 
     def _normalise(self, table: pa.Table, present: list[str]) -> pa.Table:
         columns = {}
         for c in self.columns:  # a column missing from this file reads as nulls
             field = self.schema.field(c)
             columns[c] = table.column(c).cast(field.type) if c in present else pa.nulls(table.num_rows, field.type)
+        if ROW in present:
+            columns[ROW] = table.column(ROW)
         return pa.table(columns)
 
     def _shard(self, index: int, table: pa.Table, first_row: int) -> Shard:
+        if ROW in table.column_names:  # staged: the row numbers are the input's, not the position's
+            rows = table.column(ROW)
+            table = table.drop_columns([ROW])
+            if ID not in table.column_names:
+                table = table.add_column(0, ID, pc.cast(rows, pa.string()))
         if ID in table.column_names:
             ids = table.column(ID).cast(pa.string())
             table = table.set_column(table.column_names.index(ID), ID, ids)

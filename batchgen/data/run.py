@@ -6,6 +6,7 @@
       _manifests/shard=00000.json                the shard's commit record, written last
       _attempts/<start>-<host>-<pid>.json        one per engine-holding process: conditions and how it ended
       _locks/shard=00000.lock, .lock             leases (batchgen.data.lock)
+      _plan/rows.parquet, plan.json              a prefix-ordered run's staged input (batchgen.data.order)
       _SUCCESS                                   only after every input id is verified to be in exactly one place
 
 The protocol (the shape of Hadoop's and Spark's output committers and of Delta Lake's log):
@@ -39,7 +40,12 @@ from batchgen.faults import Faults
 TABLES = ("requests", "errors", "tokens", "steps")
 IDENTITY_WORDS = {"input_fingerprint": "input (its files' content changed)", "model_fingerprint": "model",
                   "engine_config": "engine settings", "sampling": "sampling settings", "engine": "engine",
-                  "engine_options": "engine options", "shard_size": "shard size", "too_long": "too_long policy"}
+                  "engine_options": "engine options", "shard_size": "shard size", "too_long": "too_long policy",
+                  "shard_by": "shard order (--shard-by)"}
+
+
+# what a run started before an identity field existed had: its resume compares as that
+IDENTITY_DEFAULTS = {"shard_by": "order"}
 
 
 class RunError(RuntimeError):
@@ -81,7 +87,7 @@ class RunDir:
             raise RunError(f"output location {self.path} cannot be written: {e.strerror or e}") from None
         self.lock()
         if self.store.exists("run.json"):
-            old = self.read_json().get("identity", {})
+            old = {**IDENTITY_DEFAULTS, **self.read_json().get("identity", {})}
             changed = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
             if changed:
                 self.unlock()
