@@ -305,10 +305,12 @@ class EngineConfig:
         help="decode steps padded to static buckets and replayed as CUDA graphs; auto: on CUDA with the PyTorch "
              "paged attention (on CPU, on runs the same buckets without graphs)")
     admission: str = setting(
-        "prefix", choices=("prefix", "fifo"), title="Admission order (native engine)",
+        "prefix", choices=("prefix", "fifo", "length", "prefix-length"), title="Admission order (native engine)",
         help="prefix: among the waiting rows, those whose leading blocks are in the prefix cache (a shared system "
-             "prompt) first, so rows that share a prefix run while it is cached (bounded: no row is passed over "
-             "more than 4 x max_num_seqs times); fifo: first come, first served")
+             "prompt) first, so rows that share a prefix run while it is cached; length: the rows allowed the most "
+             "output tokens (max_tokens) first, so a shard does not end with one long row running alone; "
+             "prefix-length: cached blocks first, then length; fifo: first come, first served. Each is bounded: "
+             "no row is passed over more than 4 x max_num_seqs times")
     batch_invariant: str = setting(
         "on", choices=("on", "off"), title="Batch-invariant outputs (native engine, CPU)",
         help="on: a row's tokens do not depend on max_num_seqs, the rows beside it, chunking or a resume (dtype "

@@ -9,7 +9,7 @@ import pytest
 from batchgen.config import SamplingParams
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.request import Request
-from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.scheduler import ADMISSIONS, Scheduler
 
 
 def req(rid, prompt, max_tokens=8):
@@ -143,7 +143,7 @@ def test_random_workloads_keep_the_invariants_and_finish_every_request(seed):
     bs = rng.choice([1, 2, 4, 8])
     bm = BlockManager(num_blocks=rng.randint(8, 40), block_size=bs, enable_prefix_caching=rng.random() < 0.8)
     s = Scheduler(bm, max_num_seqs=rng.randint(1, 6), max_model_len=64, max_num_batched_tokens=rng.randint(6, 40),
-                  admission=rng.choice(["prefix", "fifo"]), max_passes=rng.choice([None, 1, 3]))
+                  admission=rng.choice(ADMISSIONS), max_passes=rng.choice([None, 1, 3]))
     shared = [rng.randrange(50) for _ in range(rng.randint(0, 20))]  # a common system prompt, sometimes
     pending = []
     for i in range(rng.randint(5, 25)):
@@ -238,4 +238,36 @@ def test_prefix_admission_computes_fewer_prompt_tokens():
         return total
 
     assert computed("prefix") < 0.8 * computed("fifo")
+
+
+def length_workload(admission: str, max_passes: int | None = None) -> list[str]:
+    """Rows allowed 2, 9, 4, 9, 2 output tokens, two at a time."""
+    s = Scheduler(BlockManager(num_blocks=40, block_size=4), max_num_seqs=2, max_model_len=64,
+                  max_num_batched_tokens=64, admission=admission, max_passes=max_passes)
+    for i, n in enumerate([2, 9, 4, 9, 2]):
+        s.add(req(f"r{i}-{n}", [i, i + 1, i + 2], max_tokens=n))
+    return run_to_end(s)
+
+
+def test_length_admission_takes_the_longest_rows_first_and_is_bounded():
+    assert length_workload("fifo") == ["r0-2", "r1-9", "r2-4", "r3-9", "r4-2"]
+    assert length_workload("length") == ["r1-9", "r3-9", "r2-4", "r0-2", "r4-2"]  # longest first, oldest among equals
+    # bounded: a row passed over once goes next
+    assert length_workload("length", max_passes=1) == ["r1-9", "r0-2", "r3-9", "r2-4", "r4-2"]
+    _, order = grouped_workload("prefix-length")  # equal lengths: prefix admission's order
+    assert order == ["P0", "P2", "P4", "Q1", "Q3", "Q5"]
+    s = Scheduler(BlockManager(num_blocks=20, block_size=4), max_num_seqs=1, max_model_len=64,
+                  max_num_batched_tokens=64, admission="prefix-length")
+    system = list(range(16))
+    s.add(req("a", system + [50], max_tokens=2))
+    for c in s.schedule().chunks:  # "a" runs alone: its system prompt's blocks are now cached
+        s.computed(c)
+    s.add(req("short-cached", system + [51], max_tokens=2))
+    s.add(req("long-uncached", list(range(100, 117)), max_tokens=8))
+    assert run_to_end(s) == ["short-cached", "long-uncached"]  # a cached prefix outranks length
+    s = Scheduler(BlockManager(num_blocks=20, block_size=4), max_num_seqs=1, max_model_len=64,
+                  max_num_batched_tokens=64, admission="length")
+    for name, n in (("a", 2), ("short", 2), ("long", 8)):
+        s.add(req(name, system + [len(name)], max_tokens=n))
+    assert run_to_end(s) == ["long", "a", "short"]
 

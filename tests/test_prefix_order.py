@@ -21,3 +21,21 @@ def test_the_prefix_order_benchmark_runs_at_a_small_size(tiny_model_dir, capsys)
         computed = {name: int(rows[(label, w)][0]) for name, label in prefix.LABELS.items()}
         assert computed["prefix"] <= computed["admission"] < computed["fifo"], computed
         assert computed["prefix"] < computed["fifo"]
+
+
+def test_the_length_admission_benchmark_runs_at_a_small_size(tiny_model_dir, capsys):
+    """`python -m batchgen.benchmarks.lengths` at 24 rows on the tiny model: every variant, its tail share
+    and ratios, and the verdict against the default printed; longest-first admission keeps at least as
+    many rows running per step as first come (batch occupancy, not speed)."""
+    from batchgen.benchmarks import lengths
+
+    lengths.main(["--rows", "24", "--shard-size", "12", "--max-num-seqs", "4", "--short", "2", "--long", "12",
+                  "--every", "6", "--repeats", "1", "--model", str(tiny_model_dir)])
+    out = capsys.readouterr().out
+    assert "conditions: 24 chat prompts, 4 allowed 12 new tokens and the rest 2" in out
+    assert "length admission / the default (prefix):" in out
+    rows = {line[:30].strip(): line[30:].split() for line in out.splitlines() if line.startswith(("random", "longest"))}
+    assert set(rows) == {"longest first / fifo", "random / fifo", "random / prefix", "random / length",
+                         "random / prefix-length"}
+    mean_running = {k: float(v[3]) for k, v in rows.items()}
+    assert mean_running["random / length"] >= mean_running["random / fifo"], mean_running

@@ -13,8 +13,12 @@ Each step has a token budget, `max_num_batched_tokens`, spent in one forward pas
    prefix cache (its system prompt or few-shot block is cached, or shared with a running request,
    whose blocks are keyed as it is scheduled), the oldest among equals. So rows that share a prefix
    run while it is cached instead of each recomputing it after the others evicted it: requests group
-   by their first blocks' keys without a sort (SGLang's longest-prefix-match policy, bounded). It is
-   bounded: a request passed over `max_passes` times (default 4 x max_num_seqs) goes next.
+   by their first blocks' keys without a sort (SGLang's longest-prefix-match policy, bounded).
+   "length" takes, among the first LOOKAHEAD, the one with the most output tokens still allowed
+   (max_tokens, within max_model_len), the oldest among equals: longest first, so that a shard does
+   not end with one long row running alone while the batch is empty (LPT scheduling); "prefix-length"
+   compares cached leading blocks first, then that length. Each is bounded: a request passed over
+   `max_passes` times (default 4 x max_num_seqs) goes next.
 A long prompt therefore never stalls decoding for longer than one step's budget.
 
 With n-gram speculation (batchgen.engine.speculative), a decoding request's chunk also carries the
@@ -88,7 +92,7 @@ class SchedulerOutput:
 
 LOOKAHEAD = 256  # waiting requests prefix-aware admission compares (bounded work per admission)
 PREFIX_BLOCKS = 64  # leading blocks of a prompt compared (a system prompt, few-shot examples)
-ADMISSIONS = ("prefix", "fifo")
+ADMISSIONS = ("prefix", "fifo", "length", "prefix-length")
 
 
 class Scheduler:
@@ -97,6 +101,7 @@ class Scheduler:
         if admission not in ADMISSIONS:
             raise ValueError(f"admission {admission!r}: one of {', '.join(ADMISSIONS)}")
         self.admission = admission
+        self.by_prefix, self.by_length = admission in ("prefix", "prefix-length"), admission in ("length", "prefix-length")
         self.max_passes = max_passes if max_passes is not None else 4 * max_num_seqs
         self.blocks = blocks
         self.proposer = proposer  # drafts for decoding requests that allow speculation, or None
@@ -114,7 +119,7 @@ class Scheduler:
         if need > self.blocks.num_blocks:  # it could never finish, even alone in the pool
             raise ValueError(f"request {request.request_id}: needs {need} KV blocks at most, the pool has "
                              f"{self.blocks.num_blocks}; raise --kv-cache-memory or lower max_tokens")
-        if self.admission == "prefix" and self.blocks.enable_prefix_caching:
+        if self.by_prefix and self.blocks.enable_prefix_caching:
             request.prefix_keys = self.blocks.prefix_keys(request.prompt_token_ids, PREFIX_BLOCKS)
         self.waiting.append(request)
 
@@ -180,16 +185,24 @@ class Scheduler:
         if (self.admission == "fifo" or len(self.waiting) == 1 or head.passed_over >= self.max_passes
                 or head.num_preemptions):  # a preempted request resumes first, as in vLLM
             return 0
-        best, best_score = 0, self.blocks.num_cached_leading(head.prefix_keys)
+        best, best_score = 0, self._score(head)
         for j in range(1, min(len(self.waiting), LOOKAHEAD)):
             r = self.waiting[j]
             if r.passed_over >= self.max_passes:
                 return j  # it has waited its bound
-            if len(r.prefix_keys) > best_score:
-                score = self.blocks.num_cached_leading(r.prefix_keys)
+            if (len(r.prefix_keys), self._output_room(r)) > best_score:  # what it could score, at most
+                score = self._score(r)
                 if score > best_score:
                     best, best_score = j, score
         return best
+
+    def _output_room(self, r: Request) -> int:
+        """Length-aware admission's measure: the output tokens the request may still produce."""
+        return r.max_total_tokens(self.max_model_len) - r.num_tokens if self.by_length else 0
+
+    def _score(self, r: Request) -> tuple[int, int]:
+        """(leading blocks in the prefix cache, output room): the larger goes first."""
+        return (self.blocks.num_cached_leading(r.prefix_keys) if r.prefix_keys else 0), self._output_room(r)
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """Draft tokens for a decoding request, within the step's budget, its max_tokens and the context."""
