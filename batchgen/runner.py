@@ -31,7 +31,7 @@ from batchgen.data.fs import join
 from batchgen.data.prompts import InputProcessor, PreparedRow, RowError
 from batchgen.data.reader import InputError, PromptDataset, Shard
 from batchgen.data.reuse import ReuseIndex, find_runs, numerics, request_key
-from batchgen.data.run import RunDir, new_run_id
+from batchgen.data.run import IDENTITY_DEFAULTS, RunDir, new_run_id
 from batchgen.data.writer import SCHEMAS, ShardWriter
 from batchgen.engine import Engine, EngineDead, RequestRejected, create_engine
 from batchgen.engine.precision import can_be_batch_invariant
@@ -107,7 +107,11 @@ def open_run(cfg: RunConfig, faults: Faults | None = None) -> OpenRun:
         check_vllm_options(dict(cfg.engine_options))
     run = RunDir(join(cfg.output_dir, cfg.run_id or new_run_id()), faults)
     model_dir = resolve_model(cfg.model)
-    shard_by, why = order.resolve(dataset, cfg.shard_by)
+    started = run.read_json().get("identity", {}) if run.store.exists("run.json") else None
+    if cfg.shard_by == "auto" and started is not None:  # a resume keeps the order its shards were cut in
+        shard_by, why = started.get("shard_by", IDENTITY_DEFAULTS["shard_by"]), "auto: as the run was started"
+    else:
+        shard_by, why = order.resolve(dataset, cfg.shard_by)
     identity = run_identity(cfg, model_dir, dataset.fingerprint(), shard_by)
     info = {"input": {"files": dataset.files, "rows": dataset.num_rows, "shards": dataset.num_shards(cfg.shard_size),
                       "shard_by": shard_by, "shard_by_why": why},

@@ -132,3 +132,21 @@ def test_a_killed_prefix_run_resumes_on_its_staged_order_even_when_damaged(tmp_p
     refused = run_cli_subprocess(cli_args(inp, out, tiny_model_dir, "r", "--shard-by", "order",
                                           "--max-model-len", "512"))
     assert refused.returncode != 0 and "shard order (--shard-by)" in refused.stderr
+
+
+def test_auto_resumes_in_the_order_the_run_was_started_in(tmp_path, tiny_model_dir):
+    """A run started in input order (or before --shard-by existed: no shard_by in its identity) resumes in
+    that order under `auto`, even where auto would now choose prefix order for the input."""
+    from batchgen.cli import main
+
+    inp = write(tmp_path / "in.parquet", prefix_rows(8, k=2))
+    out = tmp_path / "runs"
+    assert main(cli_args(inp, out, tiny_model_dir, "old", "--shard-by", "order", "--max-model-len", "512")) == 0
+    doc = json.loads((out / "old/run.json").read_text())
+    del doc["identity"]["shard_by"]  # as a run of the previous version recorded it
+    (out / "old/run.json").write_text(json.dumps(doc))
+    (out / "old/_SUCCESS").unlink()
+    resumed = run_cli_subprocess(cli_args(inp, out, tiny_model_dir, "old", "--max-model-len", "512"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "(resuming)" in resumed.stderr and "in input order (auto: as the run was started)" in resumed.stderr
+    assert not (out / "old/_plan").exists()

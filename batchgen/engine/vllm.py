@@ -206,6 +206,7 @@ class VllmEngine(Engine):
                  clock: Callable[[], float] | None = None, options: dict[str, Any] | None = None,
                  lora_adapters: dict[str, str] | None = None):
         from vllm.engine.arg_utils import EngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.llm_engine import LLMEngine
 
         options = dict(options or {})
@@ -223,7 +224,7 @@ class VllmEngine(Engine):
         self.batch_invariant = vllm_batch_invariance(config)
         if self.batch_invariant.startswith("on"):  # vLLM reads it from the environment, in its engine process too
             os.environ["VLLM_BATCH_INVARIANT"] = "1"
-        options.setdefault("enforce_eager", on_cpu)  # torch.compile costs minutes of start-up on CPU
+        # enforce_eager stays vLLM's default (off: its compiled CPU path), as LLM(...) users get it
         options.setdefault("max_num_batched_tokens", max(config.max_num_batched_tokens, self.max_model_len))
         bpe = DTYPE_BYTES.get(config.dtype) or (4 if shape.get("torch_dtype") == "float32" else 2)  # auto: vLLM's rule
         self.kv_bytes_per_token = kv_bytes_per_token(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], bpe)
@@ -264,7 +265,8 @@ class VllmEngine(Engine):
         self._child_output: collections.deque[str] = collections.deque(maxlen=400)
         with child_output(self._child_output):  # the engine's processes report why they fail there, not to us
             try:
-                self.engine = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._stats)])
+                self.engine = LLMEngine.from_engine_args(args, usage_context=UsageContext.LLM_CLASS,  # LLM(...)'s
+                                                         stat_loggers=[_stat_logger_factory(self._stats)])
             except Exception as e:
                 raise self._died("vLLM's engine did not start", f"{type(e).__name__}: {e}") from e
         resolved = getattr(getattr(self.engine, "model_config", None), "dtype", None)

@@ -1,0 +1,98 @@
+"""`python -m batchgen.benchmarks.vllm_wrapper`: vLLM through batchgen against vLLM's own `LLM.generate`.
+
+The same model, dtype, prompts (the held chat prompts, 100-400 tokens), new tokens (greedy, EOS
+ignored), max_num_seqs and KV memory, in one process and one run:
+
+- `vLLM LLM.generate`: vLLM's offline API as its users call it, vLLM's defaults (its compiled CPU path);
+- `batchgen --engine vllm`: batchgen's VllmEngine with its defaults, stepped as a run steps it, every
+  token timed (what `batchgen generate --engine vllm` does per step);
+- `batchgen, enforce_eager`: the same with vLLM's eager mode, what batchgen forced on CPU before.
+
+Each is warmed up once at the batch (untimed; its start-up, compile included, is printed), then the
+three take turns `--repeats` times; tok/s is output tokens over the seconds from the batch's first
+request to its last token, prefill included; the median is kept and the spread printed, with the ratios
+against LLM.generate and the run conditions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--model", default="smollm2-135m")
+    args = p.parse_args(argv)
+
+    from batchgen.benchmarks.bench import held_prompt_ids, run_engine
+    from batchgen.benchmarks.peers import VllmOwnRunner
+    from batchgen.config import EngineConfig, SamplingParams, kv_bytes_per_token
+    from batchgen.engine.vllm import VllmEngine
+    from batchgen.metrics.conditions import cpu_features, cpu_model
+    from batchgen.model.loader import read_hf_shape
+    from batchgen.model.prepare import resolve_model
+    from batchgen.model.tokenizer import Tokenizer
+
+    model_dir = resolve_model(args.model)
+    prompts = held_prompt_ids(Tokenizer(model_dir), args.batch)
+    max_len = max(len(q) for q in prompts) + args.new_tokens + 8
+    kv_tokens = sum(len(q) + args.new_tokens + 32 for q in prompts)  # every row in flight at once
+    shape = read_hf_shape(model_dir)
+    kv_bytes = kv_tokens * kv_bytes_per_token(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
+                                              4 if args.dtype == "float32" else 2)
+    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+
+    variants, startup = {}, {}
+    t0 = time.perf_counter()
+    own = VllmOwnRunner(model_dir, args.dtype, args.batch, max_len, kv_bytes)
+    variants["vLLM LLM.generate"] = lambda: own.run(prompts, args.batch, args.new_tokens)
+    startup["vLLM LLM.generate"] = time.perf_counter() - t0
+    engines = []
+    for name, options in (("batchgen --engine vllm", {}), ("batchgen, enforce_eager", {"enforce_eager": True})):
+        t0 = time.perf_counter()
+        engine = VllmEngine(model_dir, EngineConfig(dtype=args.dtype, max_num_seqs=args.batch, max_model_len=max_len,
+                                                    kv_cache_tokens=kv_tokens), options=options)
+        engines.append(engine)
+        variants[name] = lambda engine=engine, name=name: run_engine(engine, prompts, args.batch, params, None, name)
+        startup[name] = time.perf_counter() - t0
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    outputs = {}
+    try:
+        for name, run in variants.items():  # warm-up: untimed
+            t0 = time.perf_counter()
+            run()
+            startup[name] += time.perf_counter() - t0
+        names = list(variants)
+        for rep in range(args.repeats):  # take turns, the order rotating
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                got = variants[name]()
+                rates[name].append(got["tokens"] / got["seconds"])
+                outputs[name] = got["outputs"]
+    finally:
+        for e in engines:
+            e.close()
+    c = engines[0].conditions()
+    print(f"conditions: {args.batch} held chat prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
+          f"{args.new_tokens} new tokens, greedy, EOS ignored, {args.dtype}, max_num_seqs {args.batch}, KV for every "
+          f"row; vLLM {c['engine_version']} on {cpu_model()} ({cpu_features()}); "
+          f"median of {args.repeats} repeats, variants taking turns")
+    base = statistics.median(rates["vLLM LLM.generate"])
+    print(f"{'variant':<26}{'tok/s':>9}{'spread':>9}{'vs LLM.generate':>17}{'start-up s':>12}{'same tokens':>13}")
+    for name, rs in rates.items():
+        med = statistics.median(rs)
+        same = outputs[name] == outputs["vLLM LLM.generate"]
+        print(f"{name:<26}{med:>9.1f}{(max(rs) - min(rs)) / med:>8.0%}{med / base:>16.2f}x{startup[name]:>12.1f}"
+              f"{'yes' if same else 'no':>13}")
+    ratio = statistics.median(rates["batchgen --engine vllm"]) / base
+    print(f"target: batchgen --engine vllm / vLLM's own generate {ratio:.2f}x (>= 0.95x) "
+          f"{'met' if ratio >= 0.95 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()
