@@ -99,9 +99,27 @@ def run_variant(rows: list[dict], out: Path, run_id: str, shard_by: str, admissi
             "tok_s": tp["output_tok_per_s"], "conditions": cond}
 
 
-def stage_cost(rows: int, tmp: str) -> dict:
-    """In its own process: stage `rows` rows of the workload's shape in prefix order; seconds and peak
-    memory above what the process held before (the input is ~{rows} x 1.3 KB)."""
+def write_stage_input(rows: int, tmp: str) -> tuple[str, int]:
+    """`rows` rows of the workload's shape (8 system prompts, a question each), written in pieces;
+    (its path, the bytes of its text)."""
+    shuffled, _ = workload(2000)
+    path = Path(tmp) / "stage-input.parquet"
+    writer, text = None, 0
+    for lo in range(0, rows, 50_000):
+        n = min(50_000, rows - lo)
+        t = pa.table({"id": [f"s{i:08d}" for i in range(lo, lo + n)],
+                      "system": [shuffled[i % 2000]["system"] for i in range(lo, lo + n)],
+                      "prompt": [f"{shuffled[i % 2000]['prompt']} ({i})" for i in range(lo, lo + n)]})
+        writer = writer or pq.ParquetWriter(path, t.schema)
+        writer.write_table(t)
+        text += t.column("system").nbytes + t.column("prompt").nbytes
+    writer.close()
+    return str(path), text
+
+
+def stage_cost(path: str, text_bytes: int, tmp: str) -> dict:
+    """In a fresh process: stage the input at `path` in prefix order; seconds, and peak memory before
+    and after (what the input's validation held, then the staging's own peak above it)."""
     import resource
     import time
 
@@ -109,24 +127,13 @@ def stage_cost(rows: int, tmp: str) -> dict:
     from batchgen.data.fs import Store
     from batchgen.data.reader import PromptDataset
 
-    shuffled, _ = workload(2000)
-    path = Path(tmp) / "stage-input.parquet"
-    writer = None
-    for lo in range(0, rows, 50_000):  # written in pieces: the input is never whole in this process
-        n = min(50_000, rows - lo)
-        t = pa.table({"id": [f"s{i:08d}" for i in range(lo, lo + n)],
-                      "system": [shuffled[i % 2000]["system"] for i in range(lo, lo + n)],
-                      "prompt": [f"{shuffled[i % 2000]['prompt']} ({i})" for i in range(lo, lo + n)]})
-        writer = writer or pq.ParquetWriter(path, t.schema)
-        writer.write_table(t)
-    writer.close()
     peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # noqa: E731
-    dataset = PromptDataset([str(path)])  # validation reads the id column (as every run does)
+    dataset = PromptDataset([path])  # validation reads the id column (as every run does)
     base = peak()
     t0 = time.perf_counter()
     plan = order.stage(dataset, Store(Path(tmp) / "stage-run"), 1000, dataset.fingerprint())
-    return {"rows": rows, "s": time.perf_counter() - t0, "peak": peak() - base,
-            "input_mib": path.stat().st_size / 2**20, "staged_mib": plan["size"] / 2**20}
+    return {"rows": dataset.num_rows, "s": time.perf_counter() - t0, "base": base, "peak": peak() - base,
+            "input_mib": Path(path).stat().st_size / 2**20, "raw_mib": text_bytes / 2**20, "staged_mib": plan["size"] / 2**20}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--stage-rows", type=int, default=1_000_000, help="rows staged to time the prefix order (0: skip)")
+    p.add_argument("--only-stage", action="store_true", help="measure the staging alone, not the runs")
     args = p.parse_args(argv)
 
     shuffled, by_system = workload(args.rows)
@@ -147,8 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     cells = [(name, w) for w in args.workers for name, _, _ in VARIANTS]
     got: dict[tuple[str, int], list[dict]] = {c: [] for c in cells}
     with tempfile.TemporaryDirectory(prefix="batchgen-prefix-bench-") as tmp:
+        if args.only_stage:
+            args.repeats, args.stage_rows = 0, args.stage_rows or 1_000_000
         # untimed: the machine's first engine compiles its decode buckets (later ones find Inductor's cache)
-        run_variant(by_system[:2 * args.max_num_seqs], Path(tmp), "warm-up", "order", "fifo", 1, args)
+        if args.repeats:
+            run_variant(by_system[:2 * args.max_num_seqs], Path(tmp), "warm-up", "order", "fifo", 1, args)
         for rep in range(args.repeats):  # the variants take turns in each repeat
             for name, shard_by, admission in VARIANTS:
                 for w in args.workers:
@@ -158,8 +169,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.stage_rows:
             import multiprocessing
 
+            path, text = write_stage_input(args.stage_rows, tmp)
             with multiprocessing.get_context("spawn").Pool(1) as pool:  # its peak memory is its own
-                staged = pool.apply(stage_cost, (args.stage_rows, tmp))
+                staged = pool.apply(stage_cost, (path, text, tmp))
+        if args.only_stage:
+            print(_staged_line(staged))
+            return
     c = got[cells[0]][0]["conditions"]
     print(f"conditions: {args.rows} rows, {N_SYSTEMS} system prompts of ~250 tokens, {args.new_tokens} new tokens, "
           f"max_num_seqs {args.max_num_seqs}, kv_cache_tokens {args.kv_cache_tokens}, shards of {args.shard_size}; "
@@ -182,9 +197,14 @@ def main(argv: list[str] | None = None) -> None:
                   f"tokens (<= 1.15x) {'met' if ratio <= 1.15 else 'MISSED'}; {speed:.2f}x its tok/s (>= 0.95x) "
                   f"{'met' if speed >= 0.95 else 'MISSED'}")
     if staged:
-        print(f"staging the prefix order of {staged['rows']:,} rows ({staged['input_mib']:.0f} MiB of Parquet, shards "
-              f"of 1000): {staged['s']:.1f} s, peak memory +{staged['peak']:.0f} MiB, staged file "
-              f"{staged['staged_mib']:.0f} MiB (one run)")
+        print(_staged_line(staged))
+
+
+def _staged_line(staged: dict) -> str:
+    return (f"staging the prefix order of {staged['rows']:,} rows ({staged['input_mib']:.0f} MiB of Parquet, "
+            f"{staged['raw_mib']:.0f} MiB of text; shards of 1000): {staged['s']:.1f} s, peak memory "
+            f"+{staged['peak']:.0f} MiB over the {staged['base']:.0f} MiB the process held after validation; "
+            f"staged file {staged['staged_mib']:.0f} MiB (one run)")
 
 if __name__ == "__main__":
     main()
