@@ -305,12 +305,13 @@ class EngineConfig:
         help="decode steps padded to static buckets and replayed as CUDA graphs; auto: on CUDA with the PyTorch "
              "paged attention (on CPU, on runs the same buckets without graphs)")
     admission: str = setting(
-        "prefix", choices=("prefix", "fifo", "length", "prefix-length"), title="Admission order (native engine)",
+        "prefix-length", choices=("prefix-length", "prefix", "length", "fifo"), title="Admission order (native engine)",
         help="prefix: among the waiting rows, those whose leading blocks are in the prefix cache (a shared system "
              "prompt) first, so rows that share a prefix run while it is cached; length: the rows allowed the most "
              "output tokens (max_tokens) first, so a shard does not end with one long row running alone; "
-             "prefix-length: cached blocks first, then length; fifo: first come, first served. Each is bounded: "
-             "no row is passed over more than 4 x max_num_seqs times")
+             "prefix-length (default): cached blocks first, then length (where lengths are equal, it is prefix); "
+             "fifo: first come, first served. Each is bounded: no row is passed over more than 4 x max_num_seqs "
+             "times")
     batch_invariant: str = setting(
         "on", choices=("on", "off"), title="Batch-invariant outputs (native engine, CPU)",
         help="on: a row's tokens do not depend on max_num_seqs, the rows beside it, chunking or a resume (dtype "

@@ -8,17 +8,18 @@ Each step has a token budget, `max_num_batched_tokens`, spent in one forward pas
 2. then waiting requests, while the budget, `max_num_seqs` and the pool allow: each takes its longest
    cached prefix from the prefix cache, then blocks for the chunk it computes now. Admission asks for
    the blocks needed now, never for the worst case.
-   Which waiting request goes next (`admission`): "fifo" takes them as they came; "prefix" (the
-   default) takes, among the first LOOKAHEAD waiting, the one with the most leading blocks in the
-   prefix cache (its system prompt or few-shot block is cached, or shared with a running request,
-   whose blocks are keyed as it is scheduled), the oldest among equals. So rows that share a prefix
+   Which waiting request goes next (`admission`): "fifo" takes them as they came; "prefix" takes,
+   among the first LOOKAHEAD waiting, the one with the most leading blocks in the prefix cache (its
+   system prompt or few-shot block is cached, or shared with a running request, whose blocks are
+   keyed as it is scheduled), the oldest among equals. So rows that share a prefix
    run while it is cached instead of each recomputing it after the others evicted it: requests group
    by their first blocks' keys without a sort (SGLang's longest-prefix-match policy, bounded).
    "length" takes, among the first LOOKAHEAD, the one with the most output tokens still allowed
    (max_tokens, within max_model_len), the oldest among equals: longest first, so that a shard does
    not end with one long row running alone while the batch is empty (LPT scheduling); "prefix-length"
-   compares cached leading blocks first, then that length. Each is bounded: a request passed over
-   `max_passes` times (default 4 x max_num_seqs) goes next.
+   (the default) compares cached leading blocks first, then that length: where lengths are equal, it is
+   "prefix". Each is bounded: a request passed over `max_passes` times (default 4 x max_num_seqs)
+   goes next.
 A long prompt therefore never stalls decoding for longer than one step's budget.
 
 With n-gram speculation (batchgen.engine.speculative), a decoding request's chunk also carries the
@@ -97,7 +98,7 @@ ADMISSIONS = ("prefix", "fifo", "length", "prefix-length")
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 proposer: NgramProposer | None = None, admission: str = "prefix", max_passes: int | None = None):
+                 proposer: NgramProposer | None = None, admission: str = "prefix-length", max_passes: int | None = None):
         if admission not in ADMISSIONS:
             raise ValueError(f"admission {admission!r}: one of {', '.join(ADMISSIONS)}")
         self.admission = admission
