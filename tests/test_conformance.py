@@ -1,5 +1,8 @@
 """One conformance suite, run against both engines on the real model: the same schema, the same
-invariants, the same error handling, and how often greedy outputs agree token for token."""
+invariants, the same error handling, and how often greedy outputs agree token for token.
+
+The shared runs start vLLM as batchgen's users get it, with vLLM's own defaults (its compiled CPU path,
+about 80 s to start here); the other vLLM tests, about other things, pass enforce_eager (about 30 s)."""
 
 import pyarrow.parquet as pq
 import pytest
@@ -156,6 +159,14 @@ def test_greedy_outputs_match_between_engines(runs):
     assert rate >= 0.75
 
 
+def test_vllm_runs_with_its_own_defaults(runs):
+    """batchgen forces no eager mode on vLLM: a user of --engine vllm gets what LLM(...) users get."""
+    import json
+
+    engine = json.loads((runs["vllm"][1] / "run.json").read_text())["conditions"]["engine"]
+    assert "enforce_eager" not in engine["vllm_options"], engine["vllm_options"]
+
+
 @pytest.mark.slow
 def test_cli_engine_vllm_in_a_fresh_process(tmp_path, runs):
     """The user's path: `batchgen generate --engine vllm` in a new process (vLLM spawns its engine core)."""
@@ -168,7 +179,7 @@ def test_cli_engine_vllm_in_a_fresh_process(tmp_path, runs):
     proc = subprocess.run([sys.executable, "-m", "batchgen.cli", "generate", "--engine", "vllm", "--input", str(inp),
                            "--output", str(tmp_path / "runs"), "--run-id", "v", "--max-tokens", "8",
                            "--max-model-len", "256", "--max-num-seqs", "2", "--no-progress",
-                           "--vllm-option", "enable_prefix_caching=true"],
+                           "--vllm-option", "enable_prefix_caching=true", "--vllm-option", "enforce_eager=true"],
                           capture_output=True, text=True, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "3 rows -> 3 outputs, 0 errors" in proc.stdout
@@ -190,7 +201,8 @@ def test_speculative_ngram_steps_emit_several_tokens_sharing_one_time(tmp_path, 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id="spec", engine="vllm",
                     engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),
-                    sampling=SamplingParams(max_tokens=32), engine_options=(("speculative_config", spec),),
+                    sampling=SamplingParams(max_tokens=32),
+                    engine_options=(("enforce_eager", True), ("speculative_config", spec)),
                     progress=False)
     generate(cfg, probe=False, worker=worker)
     t = tables(tmp_path / "spec")
@@ -218,7 +230,7 @@ def test_dead_vllm_engine_fails_the_run_and_a_rerun_resumes(tmp_path, runs, work
     pq.write_table(pq.read_table(TEST_DATA / "alpaca_seed_prompts.parquet").slice(0, 6), inp)
     cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id="dies", engine="vllm", shard_size=3,
                     engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),
-                    sampling=SamplingParams(max_tokens=8), progress=False)
+                    sampling=SamplingParams(max_tokens=8), engine_options=(("enforce_eager", True),), progress=False)
     engine = worker.load_engine(cfg, resolve_model(cfg.model))
     cores = [p for p in psutil.Process().children(recursive=True)
              if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
@@ -275,7 +287,8 @@ def test_vllm_runs_a_family_the_native_engine_refuses(tmp_path, real_model_dir):
                                                "attention_multiplier": 0.125, "logits_scaling": 1.0}))
     with pytest.raises(ModelLoadError, match="Use --engine vllm"):
         read_model_config(d)
-    engine = VllmEngine(d, EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=256))
+    engine = VllmEngine(d, EngineConfig(dtype="float32", max_num_seqs=2, max_model_len=256),
+                        options={"enforce_eager": True})
     try:
         engine.add("a", engine.tokenizer.encode("The capital of France is"), SamplingParams(max_tokens=4))
         done = []
