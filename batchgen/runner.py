@@ -320,7 +320,7 @@ def run_shard_in_worker(cfg: RunConfig, run_path: str, index: int, worker: Worke
     worker.record_once(run, cfg, engine)
     try:
         dataset = order.planned(PromptDataset(cfg.inputs, cfg.keep_columns), run.store,
-                                run.read_json()["identity"].get("shard_by", "order"))
+                                run.read_json()["identity"].get("shard_by", IDENTITY_DEFAULTS["shard_by"]))
         manifest = run_shard(cfg, run, dataset, engine, index,
                              reuse=worker.reuse_index(cfg, run_path))
     except BaseException:

@@ -1,8 +1,9 @@
 """One conformance suite, run against both engines on the real model: the same schema, the same
 invariants, the same error handling, and how often greedy outputs agree token for token.
 
-The shared runs start vLLM as batchgen's users get it, with vLLM's own defaults (its compiled CPU path,
-about 80 s to start here); the other vLLM tests, about other things, pass enforce_eager (about 30 s)."""
+vLLM starts here with enforce_eager (about 30 s; its compiled CPU path, batchgen's default, takes about
+80 s and is measured by batchgen.benchmarks.vllm_wrapper); that batchgen starts vLLM with vLLM's own
+defaults is checked with a test double in place of vLLM's LLMEngine."""
 
 import pyarrow.parquet as pq
 import pytest
@@ -17,6 +18,7 @@ from conftest import TEST_DATA, cli_args, read_run_table, run_cli_subprocess, sk
 pytestmark = pytest.mark.heavy  # starts vLLM, a Prefect server or a Ray cluster: not in `make test-fast`
 
 ENGINES = ["native", "vllm"]
+EAGER = (("enforce_eager", True),)  # vLLM's eager mode: a faster start for tests
 N_PROMPTS = 16
 
 
@@ -62,6 +64,7 @@ def runs(tmp_path_factory, worker):
     for engine in engines:
         cfg = RunConfig(inputs=(str(inp),), output_dir=str(root), run_id=engine, engine=engine, shard_size=7,
                         engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),
+                        engine_options=EAGER if engine == "vllm" else (),
                         sampling=SamplingParams(max_tokens=24, logprobs=2), keep_columns=("source",),
                         progress=False)
         summary = generate(cfg, probe=False, worker=worker)
@@ -140,7 +143,7 @@ def test_same_error_handling(runs, engine):
 
 
 def test_vllm_rejects_a_request_it_cannot_take_as_a_row_error(runs, worker):
-    cfg = RunConfig(inputs=("x",), output_dir="x", engine="vllm",
+    cfg = RunConfig(inputs=("x",), output_dir="x", engine="vllm", engine_options=EAGER,
                     engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512))
     from batchgen.model.prepare import resolve_model
 
@@ -159,12 +162,31 @@ def test_greedy_outputs_match_between_engines(runs):
     assert rate >= 0.75
 
 
-def test_vllm_runs_with_its_own_defaults(runs):
-    """batchgen forces no eager mode on vLLM: a user of --engine vllm gets what LLM(...) users get."""
-    import json
+def test_vllm_is_started_with_its_own_defaults(monkeypatch, real_model_dir):
+    """batchgen forces no eager mode and starts vLLM in LLM(...)'s usage context, so that --engine vllm
+    runs what LLM.generate runs (vLLM's compiled CPU path). A test double in place of vLLM's
+    LLMEngine.from_engine_args records what it is given and refuses to start."""
+    try:
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.llm_engine import LLMEngine
+    except ImportError as e:
+        skip_or_fail(f"vllm does not import here: {e}", "BATCHGEN_REQUIRE_VLLM")
+    from batchgen.engine.vllm import VllmEngine
 
-    engine = json.loads((runs["vllm"][1] / "run.json").read_text())["conditions"]["engine"]
-    assert "enforce_eager" not in engine["vllm_options"], engine["vllm_options"]
+    given = {}
+
+    def from_engine_args_double(cls, args, usage_context=None, stat_loggers=None):
+        given.update(args=args, usage_context=usage_context)
+        raise RuntimeError("test double: not started")
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(from_engine_args_double))
+    with pytest.raises(Exception, match="did not start"):
+        VllmEngine(real_model_dir, EngineConfig(dtype="bfloat16", max_num_seqs=4, max_model_len=256))
+    assert given["args"].enforce_eager is False and given["usage_context"] == UsageContext.LLM_CLASS
+    with pytest.raises(Exception, match="did not start"):  # a user's own choice still goes through
+        VllmEngine(real_model_dir, EngineConfig(dtype="bfloat16", max_num_seqs=4, max_model_len=256),
+                   options={"enforce_eager": True})
+    assert given["args"].enforce_eager is True
 
 
 @pytest.mark.slow
@@ -230,7 +252,7 @@ def test_dead_vllm_engine_fails_the_run_and_a_rerun_resumes(tmp_path, runs, work
     pq.write_table(pq.read_table(TEST_DATA / "alpaca_seed_prompts.parquet").slice(0, 6), inp)
     cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id="dies", engine="vllm", shard_size=3,
                     engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),
-                    sampling=SamplingParams(max_tokens=8), engine_options=(("enforce_eager", True),), progress=False)
+                    sampling=SamplingParams(max_tokens=8), engine_options=EAGER, progress=False)
     engine = worker.load_engine(cfg, resolve_model(cfg.model))
     cores = [p for p in psutil.Process().children(recursive=True)
              if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
@@ -319,6 +341,7 @@ def test_json_schema_output_validates_on_52_rows(tmp_path, runs, engine, worker)
     inp = tmp_path / "in.parquet"
     pq.write_table(__import__("pyarrow").Table.from_pylist(rows), inp)
     cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id=engine, engine=engine, shard_size=26,
+                    engine_options=EAGER if engine == "vllm" else (),
                     engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),  # the fixture's: vLLM is reused
                     sampling=SamplingParams(max_tokens=48, structured=spec), progress=False)
     summary = generate(cfg, probe=False, worker=worker)
@@ -375,6 +398,7 @@ def test_n_samples_are_the_same_rows_with_the_same_seeds_on_both_engines(tmp_pat
 
     inp = write_prompts(tmp_path / "in.parquet", ["Name a colour.", "Name a fruit.", "  "], ids=["c", "f", "empty"])
     cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id=engine, engine=engine, n=3,
+                    engine_options=EAGER if engine == "vllm" else (),
                     engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),  # the fixture's: vLLM is reused
                     sampling=SamplingParams(max_tokens=6, temperature=0.9), progress=False)
     generate(cfg, probe=False, worker=worker)
@@ -402,7 +426,8 @@ def test_a_vllm_engine_that_fails_to_start_names_its_cause_on_the_last_line(tmp_
     except ImportError as e:
         skip_or_fail(f"vllm does not import here: {e}", "BATCHGEN_REQUIRE_VLLM")
     inp = write_prompts(tmp_path / "in.parquet", ["hello"])
-    r = run_cli_subprocess(cli_args(inp, tmp_path / "runs", tiny_model_dir, "dies", "--engine", "vllm"))
+    r = run_cli_subprocess(cli_args(inp, tmp_path / "runs", tiny_model_dir, "dies", "--engine", "vllm",
+                                    "--vllm-option", "enforce_eager=true"))
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and last.startswith("batchgen: error: vLLM's engine"), r.stderr[-3000:]
     assert "RuntimeError: Unsupported CPU attention configuration: head_dim=16" in last, last
