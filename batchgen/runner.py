@@ -112,7 +112,8 @@ def open_run(cfg: RunConfig, faults: Faults | None = None) -> OpenRun:
         shard_by, why = started.get("shard_by", IDENTITY_DEFAULTS["shard_by"]), "auto: as the run was started"
     else:
         shard_by, why = order.resolve(dataset, cfg.shard_by)
-    identity = run_identity(cfg, model_dir, dataset.fingerprint(), shard_by)
+    fingerprint = dataset.fingerprint()
+    identity = run_identity(cfg, model_dir, fingerprint, shard_by)
     info = {"input": {"files": dataset.files, "rows": dataset.num_rows, "shards": dataset.num_shards(cfg.shard_size),
                       "shard_by": shard_by, "shard_by_why": why},
             "model": str(model_dir), "software": software()}
@@ -122,7 +123,7 @@ def open_run(cfg: RunConfig, faults: Faults | None = None) -> OpenRun:
     resumed = run.open(identity, info)
     if shard_by == "prefix":
         try:
-            dataset = order.ensure(dataset, run.store, cfg.shard_size)
+            dataset = order.ensure(dataset, run.store, cfg.shard_size, fingerprint)
         except BaseException:
             run.unlock()
             raise

@@ -69,7 +69,7 @@ def test_prefix_shards_are_balanced_grouped_stable_and_hold_every_row_once(tmp_p
     monkeypatch.setattr(order, "PARTITION_ROWS", 60)  # several partitions (of 50 rows: whole shards) in the pass
     rows = prefix_rows(503, ids=with_ids)
     ds = PromptDataset([str(write(tmp_path / "in.parquet", rows))])
-    staged = order.ensure(ds, Store(tmp_path / "run"), 25)
+    staged = order.ensure(ds, Store(tmp_path / "run"), 25, ds.fingerprint())
     by_id = {r.get("id", str(i)): r for i, r in enumerate(rows)}
     shards = list(staged.shards(25))
     assert [s.table.num_rows for s in shards] == [25] * 20 + [3]  # balanced: shard_size rows each

@@ -168,10 +168,10 @@ def stage(dataset: PromptDataset, store: Store, shard_size: int, fingerprint: st
     return plan
 
 
-def ensure(dataset: PromptDataset, store: Store, shard_size: int) -> PromptDataset:
+def ensure(dataset: PromptDataset, store: Store, shard_size: int, fingerprint: str) -> PromptDataset:
     """The dataset in prefix order: the run's staged file if it is there and checks out (size and sha256,
-    same input and shard size), else staged now. Called under the run's lease (runner.open_run)."""
-    fingerprint = dataset.fingerprint()
+    same input, by its `fingerprint`, and shard size), else staged now. Called under the run's lease
+    (runner.open_run, which has fingerprinted the input already: that reads every file whole)."""
     if store.exists(PLAN_FILE):
         plan = json.loads(store.read_bytes(PLAN_FILE))
         same = plan.get("input_fingerprint") == fingerprint and plan.get("shard_size") == shard_size \
