@@ -98,7 +98,7 @@ def cmd_prepare(args) -> int:
 def cmd_kernels(args) -> int:
     from batchgen import kernels
 
-    print("\n".join(kernels.build_all()))
+    print("\n".join(kernels.build_all(args.names or kernels.NAMES)))
     return 0  # a kernel that cannot be built is not an error: the torch / oneDNN path serves
 
 
@@ -142,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--force", action="store_true")
     kern = sub.add_parser("kernels", help="this machine's C++ CPU kernels").add_subparsers(dest="kernels_cmd",
                                                                                            required=True)
-    kern.add_parser("build", help="build them now (once per machine; otherwise the first run that needs one does)")
+    kb = kern.add_parser("build", help="build them now (once per machine; otherwise the first run that needs one does)")
+    kb.add_argument("names", nargs="*", metavar="NAME", help="only these kernels (default: all of them: "
+                    "gemv, sample, qgemv, attention, bgemm)")
     return parser
 
 

@@ -111,6 +111,23 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_threads(op):
     assert torch.equal(a[lone.valid], b[:2][lone.valid])
 
 
+def test_padding_rows_are_skipped_and_read_no_block_past_the_prompt(op):
+    """A prompt shorter than its tile: the padding rows output 0, and the tile reads only the prompt's
+    own blocks (the pair's unused slots point at a block of NaN, which would reach the padding rows'
+    output if they were read)."""
+    g, T = plan([(0, 20)], PREFILL_TILE, PREFILL_KEYS)  # one tile: 20 rows, 44 padding rows
+    q, k, v = tensors(T, torch.float32)
+    clean, ref = both(op, g, q, k, v)
+    torch.testing.assert_close(clean, ref, atol=2e-5, rtol=2e-5)
+    used = (20 - 1) // BS + 1  # the prompt's blocks; the pair's other slots are past its end
+    poison = next(b for b in range(BLOCKS) if b not in set(g.pair_blocks[0, :used].tolist()))
+    g.pair_blocks[0, used:] = poison
+    k[poison], v[poison] = float("nan"), float("nan")
+    out = op(q[g.token_idx], k, v, g.q_pos, g.pair_tile, g.pair_blocks, g.pair_pos0, D ** -0.5, 0, 0.0)
+    assert torch.equal(out[g.valid], clean)
+    assert torch.equal(out[~g.valid], torch.zeros_like(out[~g.valid]))
+
+
 def test_kernel_refuses_bad_input(op):
     g, T = plan([(10, 1)], 1, DECODE_KEYS)
     q, k, v = tensors(T, torch.float32)

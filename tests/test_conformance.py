@@ -23,9 +23,21 @@ N_PROMPTS = 16
 
 
 @pytest.fixture(scope="module")
-def worker():
-    """One worker for the module, as a process keeps one: each engine loads once and is reused by the
-    runs and tests that follow (vLLM starts in ~30 s)."""
+def workers():
+    """One worker per engine for the module, as a process keeps one: each engine loads once, with the
+    runs fixture's settings, and is reused by the tests that follow (a vLLM start costs ~30 s, and one
+    worker switching engines would restart vLLM each time). Tests that need other engine settings
+    (speculation, adapters) take their own worker."""
+    ws = {engine: Worker() for engine in ENGINES}
+    yield ws
+    for w in ws.values():
+        if w.engine is not None:
+            w.drop_engine(w.engine)
+
+
+@pytest.fixture
+def own_worker():
+    """A worker for one test's own engine settings, closed after it."""
     w = Worker()
     yield w
     if w.engine is not None:
@@ -41,7 +53,7 @@ class Runs(dict):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, worker):
+def runs(tmp_path_factory, workers):
     """Each engine generates the same dataset once (vLLM starts in ~30 s, so the runs are shared)."""
     out = Runs()
     try:
@@ -67,7 +79,7 @@ def runs(tmp_path_factory, worker):
                         engine_options=EAGER if engine == "vllm" else (),
                         sampling=SamplingParams(max_tokens=24, logprobs=2), keep_columns=("source",),
                         progress=False)
-        summary = generate(cfg, probe=False, worker=worker)
+        summary = generate(cfg, probe=False, worker=workers[engine])
         out[engine] = (summary, root / engine)
     return out
 
@@ -142,12 +154,12 @@ def test_same_error_handling(runs, engine):
     assert "max_model_len 512" in errors["too-long"]["error"] and "prompt is empty" in errors["empty"]["error"]
 
 
-def test_vllm_rejects_a_request_it_cannot_take_as_a_row_error(runs, worker):
+def test_vllm_rejects_a_request_it_cannot_take_as_a_row_error(runs, workers):
     cfg = RunConfig(inputs=("x",), output_dir="x", engine="vllm", engine_options=EAGER,
                     engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512))
     from batchgen.model.prepare import resolve_model
 
-    engine = worker.load_engine(cfg, resolve_model(cfg.model))  # the engine the vllm run left loaded
+    engine = workers["vllm"].load_engine(cfg, resolve_model(cfg.model))  # the engine the vllm run left loaded
     with pytest.raises(RequestRejected, match="maximum context length is 512"):
         engine.add("direct", list(range(10, 700)), SamplingParams(max_tokens=2))
     assert not engine.has_unfinished()
@@ -160,6 +172,94 @@ def test_greedy_outputs_match_between_engines(runs):
     rate = same / len(native)
     print(f"\nnative vs vLLM, fp32 greedy, {len(native)} prompts x 24 tokens: {same} identical ({rate:.0%})")
     assert rate >= 0.75
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_json_schema_output_validates_on_20_rows(tmp_path, runs, engine, workers):
+    """Every output parses and validates against its schema (xgrammar natively, vLLM's structured outputs)."""
+    import json
+
+    import jsonschema
+
+    from batchgen.data.response_format import normalise_response_format
+
+    schema = {"type": "object", "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]},
+                                               "topic": {"enum": ["food", "work", "science", "other"]},
+                                               "question": {"type": "boolean"}},
+              "required": ["sentiment", "topic", "question"], "additionalProperties": False}
+    spec = normalise_response_format({"type": "json_schema", "json_schema": {"name": "label", "schema": schema}})
+    rows = [r for r in pq.read_table(TEST_DATA / "alpaca_seed_prompts.parquet").to_pylist()
+            if len(r["prompt"]) < 600][:20]  # prompts that fit max_model_len 512
+    inp = tmp_path / "in.parquet"
+    pq.write_table(__import__("pyarrow").Table.from_pylist(rows), inp)
+    cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id=engine, engine=engine, shard_size=10,
+                    engine_options=EAGER if engine == "vllm" else (),
+                    engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),  # the fixture's: vLLM is reused
+                    sampling=SamplingParams(max_tokens=48, structured=spec), progress=False)
+    summary = generate(cfg, probe=False, worker=workers[engine])
+    assert summary.rows == 20 and summary.errors == 0
+    req = read_run_table(tmp_path / engine, "requests").to_pylist()
+    assert len(req) == 20
+    for r in req:
+        jsonschema.validate(json.loads(r["text"]), schema)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_n_samples_are_the_same_rows_with_the_same_seeds_on_both_engines(tmp_path, runs, engine, workers):
+    from conftest import write_prompts
+
+    inp = write_prompts(tmp_path / "in.parquet", ["Name a colour.", "Name a fruit.", "  "], ids=["c", "f", "empty"])
+    cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id=engine, engine=engine, n=3,
+                    engine_options=EAGER if engine == "vllm" else (),
+                    engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),  # the fixture's: vLLM is reused
+                    sampling=SamplingParams(max_tokens=6, temperature=0.9), progress=False)
+    generate(cfg, probe=False, worker=workers[engine])
+    t = tables(tmp_path / engine)
+    req = t["requests"].to_pylist()
+    assert sorted((r["id"], r["sample_index"], r["num_samples"]) for r in req) == \
+        [(i, k, 3) for i in ("c", "f") for k in range(3)]
+    from batchgen.config import derive_seed
+
+    for r in req:  # sample 0: the row's derived seed; the others derived from it, the same on either engine
+        row_seed = derive_seed(0, r["id"])
+        assert r["seed"] == (row_seed if r["sample_index"] == 0 else derive_seed(row_seed, f"sample-{r['sample_index']}"))
+    (err,) = t["errors"].to_pylist()
+    assert err["id"] == "empty" and err["sample_index"] is None
+    assert {(x["request_id"], x["sample_index"]) for x in t["tokens"].to_pylist()} == \
+        {(r["id"], r["sample_index"]) for r in req}
+
+
+def test_dead_vllm_engine_fails_the_run_and_a_rerun_resumes(tmp_path, runs, workers):
+    """Kill vLLM's engine-core process: the shard fails (no manifest, no _SUCCESS), the dead engine is
+    dropped, and the same command resumes into a complete, exactly-once run with a fresh engine. It
+    kills the module's vLLM engine, so it runs after the tests that share it, and closes the fresh one."""
+    import psutil
+
+    from batchgen.model.prepare import resolve_model
+
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pq.read_table(TEST_DATA / "alpaca_seed_prompts.parquet").slice(0, 6), inp)
+    cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id="dies", engine="vllm", shard_size=3,
+                    engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),
+                    sampling=SamplingParams(max_tokens=8), engine_options=EAGER, progress=False)
+    worker = workers["vllm"]
+    engine = worker.load_engine(cfg, resolve_model(cfg.model))  # the runs fixture's engine
+    cores = [p for p in psutil.Process().children(recursive=True)
+             if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
+    assert cores, "expected vLLM's engine core to run in a child process"
+    for p in cores:
+        p.kill()
+    psutil.wait_procs(cores, timeout=30)
+    with pytest.raises(Exception, match="engine core"):
+        generate(cfg, probe=False, worker=worker)
+    assert not (tmp_path / "dies" / "_SUCCESS").exists()
+    assert worker.engine is not engine  # the dead engine was dropped: the rerun starts a fresh one
+    summary = generate(cfg, probe=False, worker=worker)
+    assert summary.resumed and summary.rows == 6 and summary.ok == 6
+    ids = tables(tmp_path / "dies")["requests"].column("id").to_pylist()
+    assert sorted(ids) == sorted(pq.read_table(inp).column("id").to_pylist())
+    worker.drop_engine(worker.engine)  # no later test shares it: its memory and cores go back
 
 
 def test_vllm_is_started_with_its_own_defaults(monkeypatch, real_model_dir):
@@ -189,87 +289,6 @@ def test_vllm_is_started_with_its_own_defaults(monkeypatch, real_model_dir):
     assert given["args"].enforce_eager is True
 
 
-@pytest.mark.slow
-def test_cli_engine_vllm_in_a_fresh_process(tmp_path, runs):
-    """The user's path: `batchgen generate --engine vllm` in a new process (vLLM spawns its engine core)."""
-    import subprocess
-    import sys
-
-    from conftest import REPO, write_prompts
-
-    inp = write_prompts(tmp_path / "in.parquet", ["Name a colour.", "Name a fruit.", "Name a city."])
-    proc = subprocess.run([sys.executable, "-m", "batchgen.cli", "generate", "--engine", "vllm", "--input", str(inp),
-                           "--output", str(tmp_path / "runs"), "--run-id", "v", "--max-tokens", "8",
-                           "--max-model-len", "256", "--max-num-seqs", "2", "--no-progress",
-                           "--vllm-option", "enable_prefix_caching=true", "--vllm-option", "enforce_eager=true"],
-                          capture_output=True, text=True, cwd=REPO, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "3 rows -> 3 outputs, 0 errors" in proc.stdout
-    import json
-
-    conditions = json.loads((tmp_path / "runs" / "v" / "run.json").read_text())["conditions"]["engine"]
-    assert conditions["engine"] == "vllm" and conditions["vllm_options"]["enable_prefix_caching"] is True
-
-
-def test_speculative_ngram_steps_emit_several_tokens_sharing_one_time(tmp_path, runs, worker):
-    """n-gram speculation through speculative_config: a step may emit several tokens of a request;
-    they share the step's time (token ITL 0), and the per-step ITL query sees through that."""
-    from batchgen.report.queries import connect, run_query
-
-    inp = tmp_path / "in.parquet"
-    text = "Repeat exactly: the cat sat on the mat. the cat sat on the mat. the cat sat on the mat."
-    pq.write_table(__import__("pyarrow").table({"messages": [f'[{{"role": "user", "content": "{text}"}}]'] * 2}),
-                   inp)
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id="spec", engine="vllm",
-                    engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),
-                    sampling=SamplingParams(max_tokens=32),
-                    engine_options=(("enforce_eager", True), ("speculative_config", spec)),
-                    progress=False)
-    generate(cfg, probe=False, worker=worker)
-    t = tables(tmp_path / "spec")
-    tok = t["tokens"].to_pylist()
-    per_step = {}
-    for row in tok:
-        per_step.setdefault((row["request_id"], row["step_id"]), []).append(row)
-    multi = [rows for rows in per_step.values() if len(rows) > 1]
-    assert multi, "n-gram speculation should accept several tokens in some step"
-    for rows in multi:
-        assert len({r["t"] for r in rows}) == 1
-        assert all(r["itl_s"] == 0 for r in sorted(rows, key=lambda r: r["token_index"])[1:])
-    (row,) = run_query(connect([tmp_path / "spec"]), "itl_per_step").to_pylist()
-    assert row["max_tokens_per_step"] > 1 and row["p50_s"] > 0
-
-
-def test_dead_vllm_engine_fails_the_run_and_a_rerun_resumes(tmp_path, runs, worker):
-    """Kill vLLM's engine-core process: the shard fails (no manifest, no _SUCCESS), the dead engine is
-    dropped, and the same command resumes into a complete, exactly-once run with a fresh engine."""
-    import psutil
-
-    from batchgen.model.prepare import resolve_model
-
-    inp = tmp_path / "in.parquet"
-    pq.write_table(pq.read_table(TEST_DATA / "alpaca_seed_prompts.parquet").slice(0, 6), inp)
-    cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id="dies", engine="vllm", shard_size=3,
-                    engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),
-                    sampling=SamplingParams(max_tokens=8), engine_options=EAGER, progress=False)
-    engine = worker.load_engine(cfg, resolve_model(cfg.model))
-    cores = [p for p in psutil.Process().children(recursive=True)
-             if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
-    assert cores, "expected vLLM's engine core to run in a child process"
-    for p in cores:
-        p.kill()
-    psutil.wait_procs(cores, timeout=30)
-    with pytest.raises(Exception, match="engine core"):
-        generate(cfg, probe=False, worker=worker)
-    assert not (tmp_path / "dies" / "_SUCCESS").exists()
-    assert worker.engine is not engine  # the dead engine was dropped: the rerun starts a fresh one
-    summary = generate(cfg, probe=False, worker=worker)
-    assert summary.resumed and summary.rows == 6 and summary.ok == 6
-    ids = tables(tmp_path / "dies")["requests"].column("id").to_pylist()
-    assert sorted(ids) == sorted(pq.read_table(inp).column("id").to_pylist())
-
-
 def test_vllm_options_are_checked_against_engine_args_before_any_work(tmp_path, capsys):
     """Every EngineArgs field passes; a typo gets the close matches; a key batchgen owns names its flag."""
     from batchgen.cli import main
@@ -289,6 +308,76 @@ def test_vllm_options_are_checked_against_engine_args_before_any_work(tmp_path, 
                  "--vllm-option", "seed=3", "--no-progress"]) == 2
     assert "'seed' is set by batchgen: use --seed" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()  # refused before the run directory was made
+
+
+def test_speculative_ngram_steps_emit_several_tokens_sharing_one_time(tmp_path, runs, own_worker):
+    """n-gram speculation through speculative_config: a step may emit several tokens of a request;
+    they share the step's time (token ITL 0), and the per-step ITL query sees through that."""
+    from batchgen.report.queries import connect, run_query
+
+    inp = tmp_path / "in.parquet"
+    text = "Repeat exactly: the cat sat on the mat. the cat sat on the mat. the cat sat on the mat."
+    pq.write_table(__import__("pyarrow").table({"messages": [f'[{{"role": "user", "content": "{text}"}}]'] * 2}),
+                   inp)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id="spec", engine="vllm",
+                    engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),
+                    sampling=SamplingParams(max_tokens=32),
+                    engine_options=(("enforce_eager", True), ("speculative_config", spec)),
+                    progress=False)
+    generate(cfg, probe=False, worker=own_worker)
+    t = tables(tmp_path / "spec")
+    tok = t["tokens"].to_pylist()
+    per_step = {}
+    for row in tok:
+        per_step.setdefault((row["request_id"], row["step_id"]), []).append(row)
+    multi = [rows for rows in per_step.values() if len(rows) > 1]
+    assert multi, "n-gram speculation should accept several tokens in some step"
+    for rows in multi:
+        assert len({r["t"] for r in rows}) == 1
+        assert all(r["itl_s"] == 0 for r in sorted(rows, key=lambda r: r["token_index"])[1:])
+    (row,) = run_query(connect([tmp_path / "spec"]), "itl_per_step").to_pylist()
+    assert row["max_tokens_per_step"] > 1 and row["p50_s"] > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_adapter(tmp_path_factory, real_model_dir):
+    """A rank-4 LoRA adapter on the real model, random (not zero) weights, built with peft: no download."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False))
+    out = tmp_path_factory.mktemp("adapter") / "tiny"
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_lora_adapter_per_row_on_vllm_and_a_clear_error_on_native(tmp_path, tiny_adapter, own_worker):
+    from conftest import write_prompts
+
+    prompts = ["Name a colour.", "Name a fruit.", "Name a city."]
+    inp = write_prompts(tmp_path / "in.parquet", prompts * 2 + ["Name a river."],
+                        ids=["a0", "a1", "a2", "b0", "b1", "b2", "unknown"],
+                        lora=["tiny"] * 3 + [None] * 3 + ["nope"])
+    common = dict(inputs=(str(inp),), output_dir=str(tmp_path), shard_size=10, progress=False,
+                  engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=256), sampling=SamplingParams(max_tokens=8),
+                  lora_adapters=(("tiny", str(tiny_adapter)),))
+    generate(RunConfig(**common, engine="vllm", run_id="vllm", engine_options=EAGER), probe=False, worker=own_worker)
+    t = tables(tmp_path / "vllm")
+    out = {r["id"]: r["output_token_ids"] for r in t["requests"].to_pylist()}
+    errors = {e["id"]: e["error"] for e in t["errors"].to_pylist()}
+    assert "lora 'nope' is not an adapter of this run (adapters: tiny)" in errors["unknown"]
+    assert sum(out[f"a{i}"] != out[f"b{i}"] for i in range(3)) >= 2  # the adapter changes what the model says
+    generate(RunConfig(**common, engine="native", run_id="native"), probe=False, worker=own_worker)
+    t = tables(tmp_path / "native")
+    errors = {e["id"]: e["error"] for e in t["errors"].to_pylist()}
+    assert all("the native engine runs no adapters; use --engine vllm" in errors[f"a{i}"] for i in range(3))
+    assert sorted(r["id"] for r in t["requests"].to_pylist()) == ["b0", "b1", "b2"]
 
 
 def test_vllm_runs_a_family_the_native_engine_refuses(tmp_path, real_model_dir):
@@ -322,99 +411,25 @@ def test_vllm_runs_a_family_the_native_engine_refuses(tmp_path, real_model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ENGINES)
-def test_json_schema_output_validates_on_52_rows(tmp_path, runs, engine, worker):
-    """Every output parses and validates against its schema (xgrammar natively, vLLM's structured outputs)."""
+def test_cli_engine_vllm_in_a_fresh_process(tmp_path, runs):
+    """The user's path: `batchgen generate --engine vllm` in a new process (vLLM spawns its engine core)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, write_prompts
+
+    inp = write_prompts(tmp_path / "in.parquet", ["Name a colour.", "Name a fruit.", "Name a city."])
+    proc = subprocess.run([sys.executable, "-m", "batchgen.cli", "generate", "--engine", "vllm", "--input", str(inp),
+                           "--output", str(tmp_path / "runs"), "--run-id", "v", "--max-tokens", "8",
+                           "--max-model-len", "256", "--max-num-seqs", "2", "--no-progress",
+                           "--vllm-option", "enable_prefix_caching=true", "--vllm-option", "enforce_eager=true"],
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "3 rows -> 3 outputs, 0 errors" in proc.stdout
     import json
 
-    import jsonschema
-
-    from batchgen.data.response_format import normalise_response_format
-
-    schema = {"type": "object", "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]},
-                                               "topic": {"enum": ["food", "work", "science", "other"]},
-                                               "question": {"type": "boolean"}},
-              "required": ["sentiment", "topic", "question"], "additionalProperties": False}
-    spec = normalise_response_format({"type": "json_schema", "json_schema": {"name": "label", "schema": schema}})
-    rows = [r for r in pq.read_table(TEST_DATA / "alpaca_seed_prompts.parquet").to_pylist()
-            if len(r["prompt"]) < 600][:52]  # prompts that fit max_model_len 512
-    inp = tmp_path / "in.parquet"
-    pq.write_table(__import__("pyarrow").Table.from_pylist(rows), inp)
-    cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id=engine, engine=engine, shard_size=26,
-                    engine_options=EAGER if engine == "vllm" else (),
-                    engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),  # the fixture's: vLLM is reused
-                    sampling=SamplingParams(max_tokens=48, structured=spec), progress=False)
-    summary = generate(cfg, probe=False, worker=worker)
-    assert summary.rows == 52 and summary.errors == 0
-    req = read_run_table(tmp_path / engine, "requests").to_pylist()
-    assert len(req) == 52
-    for r in req:
-        jsonschema.validate(json.loads(r["text"]), schema)
-
-
-@pytest.fixture(scope="module")
-def tiny_adapter(tmp_path_factory, real_model_dir):
-    """A rank-4 LoRA adapter on the real model, random (not zero) weights, built with peft: no download."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj"],
-                                            init_lora_weights=False))
-    out = tmp_path_factory.mktemp("adapter") / "tiny"
-    model.save_pretrained(out)
-    return out
-
-
-@pytest.mark.slow
-def test_lora_adapter_per_row_on_vllm_and_a_clear_error_on_native(tmp_path, tiny_adapter, worker):
-    from conftest import write_prompts
-
-    prompts = ["Name a colour.", "Name a fruit.", "Name a city."]
-    inp = write_prompts(tmp_path / "in.parquet", prompts * 2 + ["Name a river."],
-                        ids=["a0", "a1", "a2", "b0", "b1", "b2", "unknown"],
-                        lora=["tiny"] * 3 + [None] * 3 + ["nope"])
-    common = dict(inputs=(str(inp),), output_dir=str(tmp_path), shard_size=10, progress=False,
-                  engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=256), sampling=SamplingParams(max_tokens=8),
-                  lora_adapters=(("tiny", str(tiny_adapter)),))
-    generate(RunConfig(**common, engine="vllm", run_id="vllm"), probe=False, worker=worker)
-    t = tables(tmp_path / "vllm")
-    out = {r["id"]: r["output_token_ids"] for r in t["requests"].to_pylist()}
-    errors = {e["id"]: e["error"] for e in t["errors"].to_pylist()}
-    assert "lora 'nope' is not an adapter of this run (adapters: tiny)" in errors["unknown"]
-    assert sum(out[f"a{i}"] != out[f"b{i}"] for i in range(3)) >= 2  # the adapter changes what the model says
-    generate(RunConfig(**common, engine="native", run_id="native"), probe=False, worker=worker)
-    t = tables(tmp_path / "native")
-    errors = {e["id"]: e["error"] for e in t["errors"].to_pylist()}
-    assert all("the native engine runs no adapters; use --engine vllm" in errors[f"a{i}"] for i in range(3))
-    assert sorted(r["id"] for r in t["requests"].to_pylist()) == ["b0", "b1", "b2"]
-
-
-@pytest.mark.parametrize("engine", ENGINES)
-def test_n_samples_are_the_same_rows_with_the_same_seeds_on_both_engines(tmp_path, runs, engine, worker):
-    from conftest import write_prompts
-
-    inp = write_prompts(tmp_path / "in.parquet", ["Name a colour.", "Name a fruit.", "  "], ids=["c", "f", "empty"])
-    cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id=engine, engine=engine, n=3,
-                    engine_options=EAGER if engine == "vllm" else (),
-                    engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512),  # the fixture's: vLLM is reused
-                    sampling=SamplingParams(max_tokens=6, temperature=0.9), progress=False)
-    generate(cfg, probe=False, worker=worker)
-    t = tables(tmp_path / engine)
-    req = t["requests"].to_pylist()
-    assert sorted((r["id"], r["sample_index"], r["num_samples"]) for r in req) == \
-        [(i, k, 3) for i in ("c", "f") for k in range(3)]
-    from batchgen.config import derive_seed
-
-    for r in req:  # sample 0: the row's derived seed; the others derived from it, the same on either engine
-        row_seed = derive_seed(0, r["id"])
-        assert r["seed"] == (row_seed if r["sample_index"] == 0 else derive_seed(row_seed, f"sample-{r['sample_index']}"))
-    (err,) = t["errors"].to_pylist()
-    assert err["id"] == "empty" and err["sample_index"] is None
-    assert {(x["request_id"], x["sample_index"]) for x in t["tokens"].to_pylist()} == \
-        {(r["id"], r["sample_index"]) for r in req}
+    conditions = json.loads((tmp_path / "runs" / "v" / "run.json").read_text())["conditions"]["engine"]
+    assert conditions["engine"] == "vllm" and conditions["vllm_options"]["enable_prefix_caching"] is True
 
 
 def test_a_vllm_engine_that_fails_to_start_names_its_cause_on_the_last_line(tmp_path, tiny_model_dir):

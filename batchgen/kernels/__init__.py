@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -108,12 +109,16 @@ def load(name: str) -> str | None:
         return f"{type(e).__name__}: {e}"
 
 
-def build_all() -> list[str]:
-    """Build (or find) and load every kernel now, as `batchgen kernels build` does at set-up, so that
-    a machine's first run does not pay for it: a line per kernel, ready at its path or why not."""
+def build_all(names: Iterable[str] = NAMES) -> list[str]:
+    """Build (or find) and load every kernel now (or those named), as `batchgen kernels build` does at
+    set-up, so that a machine's first run does not pay for it: a line per kernel, ready at its path or
+    why not."""
     compiler = os.environ.get("CXX", "c++")
+    unknown = [n for n in names if n not in NAMES]
+    if unknown:
+        raise ValueError(f"no kernel named {', '.join(unknown)} (kernels: {', '.join(NAMES)})")
     lines = []
-    for name in NAMES:
+    for name in names:
         why = load(name)
         lines.append(f"{name}: ready, {library_path(name, compiler)}" if why is None else
                      f"{name}: unavailable here ({why}); its torch path serves instead")

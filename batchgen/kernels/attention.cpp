@@ -16,7 +16,9 @@
 // Inputs are the step's plan (batchgen.engine.attention_metadata.TileGroup):
 //   q [N, Qt, Hkv, G, D] the tiles' queries; k_cache, v_cache [blocks, Hkv, bs, D] ("HND");
 //   q_pos [N, Qt] each query's position (a key is visible at positions <= it, and, with a sliding
-//   window w, > q_pos - w); pair_tile [P], pair_blocks [P, KT], pair_pos0 [P]: each pair's tile, its
+//   window w, > q_pos - w); a position of 2^40 or more (attention_metadata.FAR) marks a padding row
+//   of a part-filled tile: it is skipped and its output is 0, and it does not widen the tile's reach,
+//   so a short prompt's tile reads only its own blocks; pair_tile [P], pair_blocks [P, KT], pair_pos0 [P]: each pair's tile, its
 //   KT blocks and the position of its first slot. Pairs of a tile are taken in their order in P.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -95,6 +97,7 @@ inline float to_f(float x) { return x; }
 inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_f(c10::Half x) { return static_cast<float>(x); }
 
+constexpr int64_t PAD_POS = int64_t(1) << 40;  // attention_metadata.FAR: a padding query row
 constexpr int64_t MAX_BS = 256;  // block sizes the vector path holds scores for (larger: config allows 1024)
 
 // One query row against one block's visible slots [lo, hi): fold them into the row's running max m,
@@ -221,7 +224,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
       int64_t last = std::numeric_limits<int64_t>::min();
-      for (int64_t t = 0; t < Qt; ++t) last = std::max(last, qpos[n * Qt + t]);
+      for (int64_t t = 0; t < Qt; ++t)  // the furthest real row: padding rows see nothing
+        if (qpos[n * Qt + t] < PAD_POS) last = std::max(last, qpos[n * Qt + t]);
       for (int64_t i = start[n]; i < start[n + 1]; ++i) {
         const int64_t p = order[i];
         for (int64_t b = 0; b < KT; ++b) {
@@ -244,6 +248,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           }
           for (int64_t r = 0; r < QG; ++r) {
             const int64_t qpos_r = qpos[n * Qt + r / G];
+            if (qpos_r >= PAD_POS) continue;
             const int64_t hi = std::min(nk, qpos_r - pos0 + 1);  // slots [lo, hi) visible to this row
             const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos_r - window + 1 - pos0) : 0;
             if (hi <= lo) continue;
