@@ -53,10 +53,12 @@ def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, 
 
 
 def test_repeats_alternate_the_modes_and_keep_the_median(tiny_model_dir):
+    # two of the native variants, one eager and one compiled (the test above runs every one once)
     results, conditions = run_bench(tiny_model_dir, ["native"], [2], ["greedy", "sampled"], new_tokens=3,
-                                    speculative_k=0, log=lambda *_: None, repeats=3)
+                                    speculative_k=0, log=lambda *_: None, repeats=3, native_variants=("eager", "auto"))
     grid = [m for m in results if m.section == "grid"]
-    assert len(grid) == 2 * len({m.engine for m in grid}) >= 4 and conditions["repeats"] == 3  # x two modes
+    assert {m.engine for m in grid} == {"native", "native:auto"}
+    assert len(grid) == 4 and conditions["repeats"] == 3  # two variants x two modes
     assert all(m.repeats == 3 and m.spread is not None and m.spread >= 0 for m in grid)
     assert all(m.tokens == m.prompts * 3 for m in grid)
     assert "the median shown" in format_bench(results, conditions) and "spread" in format_bench(results, conditions)
