@@ -18,8 +18,9 @@
 //   q_pos [N, Qt] each query's position (a key is visible at positions <= it, and, with a sliding
 //   window w, > q_pos - w); a position of 2^40 or more (attention_metadata.FAR) marks a padding row
 //   of a part-filled tile: it is skipped and its output is 0, and it does not widen the tile's reach,
-//   so a short prompt's tile reads only its own blocks; pair_tile [P], pair_blocks [P, KT], pair_pos0 [P]: each pair's tile, its
-//   KT blocks and the position of its first slot. Pairs of a tile are taken in their order in P.
+//   so a short prompt's tile reads only its own blocks;
+//   pair_tile [P], pair_blocks [P, KT], pair_pos0 [P]: each pair's tile, its KT blocks and the
+//   position of its first slot. Pairs of a tile are taken in their order in P.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
