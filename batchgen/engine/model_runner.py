@@ -25,7 +25,7 @@ from batchgen.engine.precision import (INVARIANT_BATCH, decode_matrices, resolve
 from batchgen.engine.request import Request
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import Chunk
-from batchgen.model import bgemm, ggml
+from batchgen.model import bgemm, ggml, rmsnorm
 from batchgen.model.linear import INT4_GROUP, can_int4, fp32_kernel
 from batchgen.model.llama import LlamaModel
 from batchgen.model.loader import DTYPES, load_model, read_model_config
@@ -91,8 +91,7 @@ class ModelRunner:
         # and runs bf16 on batchgen's bgemm (its rows do not depend on the batch) where it builds
         invariant = config.batch_invariant == "on" and config.device == "cpu" and config.pack_weights
         batch = INVARIANT_BATCH if invariant else config.max_num_seqs
-        # (bf16 under n-gram speculation is not invariant yet, see batch_invariance(): auto leaves it out)
-        bf16_isa = bgemm.isa() if invariant and not config.speculative_ngram and bgemm.load() is None else None
+        bf16_isa = bgemm.isa() if invariant and bgemm.load() is None else None
         if config.quantization == "int4":
             if not can_int4(config.device):
                 raise ValueError(f"quantization int4 needs PyTorch's int4 CPU kernel; device {config.device!r} "
@@ -121,6 +120,9 @@ class ModelRunner:
                                                                                c.max_position_embeddings),
                            pack_weights=config.pack_weights, quantization=quantization, fp32_kernel=fp32,
                            bf16_tiles=bf16_isa is not None)
+        if config.device == "cpu" and rmsnorm.load() is None:
+            # faster than torch's norm, and each row summed in one order in the eager and the compiled step
+            model.use_norm(rmsnorm.rms_norm)
         if dtype == "float32" and config.fp32_kernel == "auto" and fp32_why:
             model.layout_note = fp32_why  # which kernel auto took for this band, and the figures
         return model, dtype, why, quantization
@@ -196,14 +198,14 @@ class ModelRunner:
         if loose:
             return (f"off: {self.dtype} weights on {', '.join(loose)}, whose row sums depend on the batch "
                     f"(batchgen's gemv (float32), bgemm (bfloat16) and qgemv (GGUF blocks) are batch-invariant)")
-        if self.dtype == "bfloat16" and self.config.speculative_ngram:
-            return ("off: n-gram speculation with bfloat16 weights (a greedy row's tokens changed between batch "
-                    "shapes when drafts were verified: measured, cause not yet found)")
         if self.attention is not None and not isinstance(self.attention, CpuPagedAttention):
             return f"off: attention {self.attention.name} (batchgen's C++ kernel is the batch-invariant one)"
+        if self.model.base_norm is not rmsnorm.rms_norm:
+            return (f"off: torch's RMSNorm, whose row sums differ between the compiled and the eager step "
+                    f"(batchgen's rmsnorm kernel: {rmsnorm.load()})")
         kernels = ("GGUF blocks on qgemv" if self.quantization == "gguf" else
                    f"{self.dtype} on {'bgemm' if self.dtype == 'bfloat16' else 'gemv'}")
-        return f"on: {kernels}, C++ paged attention, counter-hash sampling"
+        return f"on: {kernels}, C++ paged attention, fixed-order RMSNorm, counter-hash sampling"
 
     def _quantization(self) -> str | None:
         if self.quantization == "int4":

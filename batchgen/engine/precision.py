@@ -186,13 +186,12 @@ def can_be_batch_invariant(config) -> bool:
     asks for it, and the kernels it needs build on this machine (the engine's conditions say it after
     loading; this answers before, for a run's identity). A resume may then change the batch shape."""
     if (config.batch_invariant != "on" or config.device != "cpu" or config.attention_backend not in ("auto", "cpu")
-            or config.dtype not in ("auto", "float32", "bfloat16") or config.quantization == "int4"
-            or (config.dtype == "bfloat16" and config.speculative_ngram)):  # bf16 with drafts: not yet
+            or config.dtype not in ("auto", "float32", "bfloat16") or config.quantization == "int4"):
         return False
     from batchgen import kernels
     from batchgen.model import bgemm
 
-    if kernels.load("attention") is not None:
+    if kernels.load("attention") is not None or kernels.load("rmsnorm") is not None:
         return False
     gemv_ok = fp32_kernel(config.fp32_kernel, "cpu")[0] is not None if config.fp32_kernel != "onednn" else False
     if config.quantization == "gguf":

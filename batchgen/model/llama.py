@@ -94,8 +94,10 @@ class LlamaModel:
         self.kv_size = c.num_kv_heads * c.head_dim
         self.group = c.num_heads // c.num_kv_heads
         self.scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
-        # the step's elementwise pieces: plain functions, swapped for compiled ones by `compile`
-        self.norm_fn, self.rope_fn = rms_norm, apply_rope
+        # the step's elementwise pieces: plain functions, swapped for compiled ones by `compile`; the norm
+        # may be a kernel instead (`use_norm`), which stays as it is
+        self.base_norm = rms_norm
+        self.norm_fn, self.rope_fn = self.base_norm, apply_rope
         self.act_mul = silu_mul if c.hidden_act == "silu" else gelu_mul
         self.compiled = None
         inv_freq = rope_inv_freq(c)
@@ -119,6 +121,11 @@ class LlamaModel:
         layout = head if layers == head else f"layers: {layers}; head: {head}"
         return layout + (f" ({self.layout_note})" if self.layout_note else "")
 
+    def use_norm(self, fn) -> None:
+        """Run RMSNorm with `fn` (same signature as rms_norm), e.g. batchgen's fixed-order kernel
+        (batchgen.model.rmsnorm), which a compile leaves alone: an opaque op to Inductor."""
+        self.base_norm = self.norm_fn = fn
+
     def compile(self, mode: str | None = None) -> None:
         """torch.compile (Inductor) the elementwise pieces around the matmuls: RMSNorm (6 ops), RoPE
         and the gated activation each become one fused kernel. Shapes are dynamic, so each compiles
@@ -126,12 +133,13 @@ class LlamaModel:
         The matmuls stay opaque kernels (batchgen.model.linear: batchgen's fp32 gemv, or oneDNN's
         prepacked one, which is what Inductor's freezing would call too)."""
         kw = {"dynamic": True, **({"mode": mode} if mode else {})}
-        self.norm_fn, self.rope_fn = torch.compile(rms_norm, **kw), torch.compile(apply_rope, **kw)
+        self.norm_fn = torch.compile(rms_norm, **kw) if self.base_norm is rms_norm else self.base_norm
+        self.rope_fn = torch.compile(apply_rope, **kw)
         self.act_mul = torch.compile(self.act_mul, **kw)
         self.compiled = mode or "default"
 
     def uncompile(self, why: str) -> None:
-        self.norm_fn, self.rope_fn = rms_norm, apply_rope
+        self.norm_fn, self.rope_fn = self.base_norm, apply_rope
         self.act_mul = silu_mul if self.config.hidden_act == "silu" else gelu_mul
         self.compiled = why
 
