@@ -294,19 +294,15 @@ struct Q4Weights {
 // a block's scales (or offsets) for N side-by-side columns, each broadcast to a vector on demand
 template <int N>
 struct Scales {
-#if !defined(QPORTABLE) && QVL == 16
-  __m512 v;  // the N values in the low lanes
-  explicit Scales(const uint16_t* h) {
-    if constexpr (N == 8) v = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))));
-    else if constexpr (N == 4) v = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h))));
-    else v = _mm512_set1_ps(half(h[0]));
-  }
-  fvec splat(int c) const {  // one permute, not a shuffle and a broadcast
-    return N == 1 ? (fvec)v : (fvec)_mm512_permutexvar_ps(_mm512_set1_epi32(c), v);
-  }
-#else
   float f[N];
   explicit Scales(const uint16_t* h) { halves<N>(h, f); }
+#if !defined(QPORTABLE) && QVL == 16
+  fvec splat(int c) const {  // a broadcast load: work for a load port, none for the shuffle port, which
+    __m512 r;                // the weights' permutes keep busy (GCC would otherwise shuffle in registers)
+    asm("vbroadcastss %1, %0" : "=v"(r) : "m"(f[c]));
+    return (fvec)r;
+  }
+#else
   fvec splat(int c) const { return broadcast(f[c]); }
 #endif
 };
