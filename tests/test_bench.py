@@ -27,6 +27,8 @@ def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, 
         # the native engine's time choosing tokens, a share of its decode steps; the peer reports none
         native = m.engine.startswith("native")
         assert (0 < m.sample_share < 1 and m.decode_mbu_p50 > 0) if native else m.sample_share is None
+        # prefill's matmul FLOPs over the run's own peak in the dtype: the native engine's rows only
+        assert (m.prefill_mfu > 0) if native else m.prefill_mfu is None
         assert m.step_itl_p50_s > 0
     assert any(m.compile_s > 0 for m in grid if m.engine == "native:compiled")
     auto = [m for m in grid if m.engine in compiled and m.mode == "greedy"]
@@ -39,6 +41,8 @@ def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, 
     text = format_bench(results, conditions)
     assert "targets (this run):" in text and "vs best peer" in text and conditions["cores"] >= 1
     assert "measured at the start of this run" in text and conditions["peak_read_bytes_per_s"] > 0
+    assert all(conditions["peak_flops"][d] > 0 for d in ("float32", "bfloat16")) and "GFLOP/s in bfloat16" in text
+    assert "pre MFU" in text and conditions["prompt_token_flops"] > 0
     assert "batch 1 fp32 decode MBU at the median step" in text and "sampled / greedy (native fp32), median " \
         "decode step" in text and "of the decode steps sampled" in text
     assert ("gemv kernel / oneDNN's (compiled), median decode step" in text) == gemv_on
@@ -119,6 +123,7 @@ def test_the_step_profiler_splits_each_phase_into_classes(tiny_model_dir):
     assert profile.classify("batchgen_attention::paged") == "attention"
     assert profile.classify("aten::argmax") == profile.classify("batchgen_sample::sample") == "sampling"
     assert profile.classify("aten::index_select") == "other ops"
+    assert profile.classify("batchgen_rmsnorm::rms_norm") == "fused elementwise"
     row = profile.profile_batch(tiny_model_dir, 2, decode_steps=3, compile_="off")
     assert set(row["phases"]) == {"prefill", "decode"}
     for phase in row["phases"].values():

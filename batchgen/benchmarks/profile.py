@@ -36,6 +36,8 @@ def classify(name: str) -> str:
         return "GEMM"
     if any(k in name for k in SAMPLING_NAMES):
         return "sampling"
+    if "batchgen_rmsnorm" in name:  # batchgen's one-pass RMSNorm: a fused kernel of its own
+        return "fused elementwise"
     if "CompiledFxGraph" in name or "Torch-Compiled" in name or name.startswith(("cpp_fused", "graph_")):
         return "fused elementwise"
     return "other ops"

@@ -1,4 +1,5 @@
-"""Measured peak read bandwidth and matmul FLOP/s of the device, for MBU/MFU (a second or two).
+"""Measured peak read bandwidth and matmul FLOP/s (float32 and bfloat16) of the device, for MBU/MFU
+(a second or two).
 
 The result is cached per machine (CPU model and flags, cores, GPU, torch version) under
 BATCHGEN_HOME/probe/, so a run's start-up does not pay for it again; the conditions say when and
@@ -44,8 +45,11 @@ def probe_device(device: str = "cpu", mib: int = 256, repeats: int = 3) -> dict[
     a = torch.randn(512 if dev.type == "cpu" else n, n, device=dev)
     b = torch.randn(n, n, device=dev)
     mm_s = best(lambda: a @ b)
-    return {"peak_read_bytes_per_s": x.numel() * 4 / read_s, "peak_flops_fp32": 2 * a.shape[0] * n * n / mm_s,
-            "probe_buffer_mib": mib}
+    a16, b16 = a.bfloat16(), b.bfloat16()  # bf16's own peak (AMX or AVX512_BF16 where the CPU has them)
+    mm16_s = best(lambda: a16 @ b16)
+    flops = 2 * a.shape[0] * n * n
+    return {"peak_read_bytes_per_s": x.numel() * 4 / read_s, "peak_flops_fp32": flops / mm_s,
+            "peak_flops_bfloat16": flops / mm16_s, "probe_buffer_mib": mib}
 
 
 def machine_key(device: str) -> str:
