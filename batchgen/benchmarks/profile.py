@@ -4,8 +4,9 @@ prefill steps and its decode steps apart. Each op's own time (self CPU time) is 
 - GEMM: the matmuls (batchgen's gemv and low-bit kernels, oneDNN, int4, aten mm/addmm/linear);
 - attention: the paged attention (batchgen's C++ kernel, or the PyTorch path's ops inside it);
 - sampling: choosing tokens from logits (argmax, the fused sampler, top-k, softmax);
-- fused elementwise: the kernels Inductor generated for the compiled step (norms, RoPE, KV writes),
-  where the profiler sees them (under Inductor's C++ wrapper it does not: they fall in "host");
+- fused elementwise: batchgen's one-pass RMSNorm kernel, and the kernels Inductor generated for the
+  compiled step (RoPE, KV writes), where the profiler sees them (under Inductor's C++ wrapper it does
+  not: they fall in "host");
 - other ops: every other op: in the eager (prefill) steps, the norms, RoPE, activations, KV writes,
   copies and indexing one op at a time;
 - host: the phase's wall time that no op accounts for: Python (the scheduler, the model runner's
