@@ -120,6 +120,7 @@ def test_the_step_profiler_splits_each_phase_into_classes(tiny_model_dir):
     from batchgen.benchmarks import profile
 
     assert profile.classify("batchgen_gemv::gemv") == profile.classify("aten::addmm") == "GEMM"
+    assert profile.classify("batchgen_bgemm::bgemm") == "GEMM"
     assert profile.classify("batchgen_attention::paged") == "attention"
     assert profile.classify("aten::argmax") == profile.classify("batchgen_sample::sample") == "sampling"
     assert profile.classify("aten::index_select") == "other ops"

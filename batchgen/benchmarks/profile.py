@@ -1,7 +1,7 @@
 """Where a step's time goes: the native engine under PyTorch's profiler, at several batch sizes, its
 prefill steps and its decode steps apart. Each op's own time (self CPU time) is put in one class:
 
-- GEMM: the matmuls (batchgen's gemv and low-bit kernels, oneDNN, int4, aten mm/addmm/linear);
+- GEMM: the matmuls (batchgen's gemv, bgemm and low-bit kernels, oneDNN, int4, aten mm/addmm/linear);
 - attention: the paged attention (batchgen's C++ kernel, or the PyTorch path's ops inside it);
 - sampling: choosing tokens from logits (argmax, the fused sampler, top-k, softmax);
 - fused elementwise: batchgen's one-pass RMSNorm kernel, and the kernels Inductor generated for the
@@ -25,7 +25,7 @@ import argparse
 import time
 
 CLASSES = ("GEMM", "attention", "sampling", "fused elementwise", "other ops", "host")
-GEMM_NAMES = ("gemv", "qgemv", "q4_1", "q8_0", "_weight_int4pack", "mkldnn", "aten::mm", "aten::addmm",
+GEMM_NAMES = ("gemv", "bgemm", "qgemv", "q4_1", "q8_0", "_weight_int4pack", "mkldnn", "aten::mm", "aten::addmm",
               "aten::linear", "aten::bmm", "aten::matmul")
 SAMPLING_NAMES = ("argmax", "batchgen_sample", "topk", "softmax", "searchsorted", "cumsum")
 
