@@ -68,7 +68,7 @@ def test_a_fresh_machine_builds_its_kernels_once(tmp_path):
     """`batchgen kernels build` (what set-up runs) from the sources, in a process of its own (one
     process loads a library once), into an empty kernel directory; a second run finds them there
     and builds nothing. Here for one kernel (`kernels build NAME...`: each build is the same path, and
-    all five cost a minute); CI's set-up builds every one."""
+    all seven cost over a minute); CI's set-up builds every one."""
     env = {**os.environ, "BATCHGEN_KERNEL_DIR": str(tmp_path)}
     wanted = ["gemv"]
     cmd = [sys.executable, "-m", "batchgen.cli", "kernels", "build", *wanted]

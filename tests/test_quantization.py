@@ -63,16 +63,20 @@ def test_config_refuses_float32_activations_with_int4():
 def test_engine_int4_on_the_real_model(real_model_dir):
     """Greedy tokens with int4 weights against fp32: the weights are the shipped ones, the difference is
     the bf16 activations, so agreement sits where plain bf16's does (stated floor: half the tokens before
-    each row's first divergence, over 6 prompts x 24 tokens; measured 0.64 on the demo set, bf16 0.61)."""
+    each row's first divergence, over 12 prompts x 24 tokens). Measured on these 12: int4 0.61 and bf16
+    0.62 with torch's RMSNorm, 0.52 and 0.71 with batchgen's kernel (a 1-ulp change in some bf16 norms):
+    single rows flip at near-ties either way, so six prompts were too few for a floor."""
     from batchgen.benchmarks.bench import agreement
     from batchgen.engine.native import NativeEngine
 
     prompts = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
                "Explain photosynthesis in one sentence.", "Translate 'good morning' into Spanish.",
-               "What is 12 times 11?"]
+               "What is 12 times 11?", "Name a planet with rings.", "Give one tip for sleeping well.",
+               "What does a compiler do?", "Describe a cat in five words.", "Why is the sky blue?",
+               "Suggest a name for a dog."]
 
     def run(**kw):
-        engine = NativeEngine(real_model_dir, EngineConfig(max_num_seqs=6, max_model_len=256, kv_cache_tokens=2048, **kw))
+        engine = NativeEngine(real_model_dir, EngineConfig(max_num_seqs=12, max_model_len=256, kv_cache_tokens=4096, **kw))
         out = {}
         for i, p in enumerate(prompts):
             ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]))

@@ -25,7 +25,7 @@ from batchgen.engine.precision import (INVARIANT_BATCH, decode_matrices, resolve
 from batchgen.engine.request import Request
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import Chunk
-from batchgen.model import bgemm, ggml, rmsnorm
+from batchgen.model import bgemm, ggml, rmsnorm, rope
 from batchgen.model.linear import INT4_GROUP, can_int4, fp32_kernel
 from batchgen.model.llama import LlamaModel
 from batchgen.model.loader import DTYPES, load_model, read_model_config
@@ -120,9 +120,11 @@ class ModelRunner:
                                                                                c.max_position_embeddings),
                            pack_weights=config.pack_weights, quantization=quantization, fp32_kernel=fp32,
                            bf16_tiles=bf16_isa is not None)
-        if config.device == "cpu" and rmsnorm.load() is None:
-            # faster than torch's norm, and each row summed in one order in the eager and the compiled step
-            model.use_norm(rmsnorm.rms_norm)
+        if config.device == "cpu":
+            # faster than torch's ops, and the same bits in the eager and the compiled step: the norm sums each
+            # row in one order (Inductor's fused norm does not add as ATen's does), RoPE rounds where ATen does
+            model.use_kernels(norm=rmsnorm.rms_norm if rmsnorm.load() is None else None,
+                              rope=rope.apply_rope if rope.load() is None else None)
         if dtype == "float32" and config.fp32_kernel == "auto" and fp32_why:
             model.layout_note = fp32_why  # which kernel auto took for this band, and the figures
         return model, dtype, why, quantization
@@ -203,9 +205,12 @@ class ModelRunner:
         if self.model.base_norm is not rmsnorm.rms_norm:
             return (f"off: torch's RMSNorm, whose row sums differ between the compiled and the eager step "
                     f"(batchgen's rmsnorm kernel: {rmsnorm.load()})")
+        if self.model.base_rope is not rope.apply_rope:
+            return f"off: torch's RoPE in place of batchgen's rope kernel, which both steps call ({rope.load()})"
+
         kernels = ("GGUF blocks on qgemv" if self.quantization == "gguf" else
                    f"{self.dtype} on {'bgemm' if self.dtype == 'bfloat16' else 'gemv'}")
-        return f"on: {kernels}, C++ paged attention, fixed-order RMSNorm, counter-hash sampling"
+        return f"on: {kernels}, C++ paged attention, fixed-order RMSNorm and RoPE, counter-hash sampling"
 
     def _quantization(self) -> str | None:
         if self.quantization == "int4":

@@ -191,7 +191,7 @@ def can_be_batch_invariant(config) -> bool:
     from batchgen import kernels
     from batchgen.model import bgemm
 
-    if kernels.load("attention") is not None or kernels.load("rmsnorm") is not None:
+    if any(kernels.load(k) is not None for k in ("attention", "rmsnorm", "rope")):
         return False
     gemv_ok = fp32_kernel(config.fp32_kernel, "cpu")[0] is not None if config.fp32_kernel != "onednn" else False
     if config.quantization == "gguf":

@@ -10,7 +10,8 @@ there is no C++ compiler, or the build fails, `load()` says why and the caller k
 - qgemv.cpp: the low-bit matmul on a GGUF's Q4_1 / Q8_0 blocks (batchgen.model.ggml);
 - attention.cpp: paged attention over the KV blocks in place (batchgen.engine.attention);
 - bgemm.cpp: the batch-invariant bfloat16 matmul, on AMX or AVX512_BF16 (batchgen.model.bgemm);
-- rmsnorm.cpp: the batch-invariant RMSNorm, each row summed in one fixed order (batchgen.model.rmsnorm).
+- rmsnorm.cpp: the batch-invariant RMSNorm, each row summed in one fixed order (batchgen.model.rmsnorm);
+- rope.cpp: RoPE in one pass, rounded where PyTorch's ops round (batchgen.model.rope).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from batchgen.config import batchgen_home
 
-NAMES = ("gemv", "sample", "qgemv", "attention", "bgemm", "rmsnorm")
+NAMES = ("gemv", "sample", "qgemv", "attention", "bgemm", "rmsnorm", "rope")
 # kernels that hold a build per instruction set and choose one at run time: compiled for the baseline
 # architecture, with each instruction set's code under its own target pragma (-march=native would let
 # every function use the build machine's widest instructions, and a narrower region could not call

@@ -95,9 +95,9 @@ class LlamaModel:
         self.group = c.num_heads // c.num_kv_heads
         self.scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
         # the step's elementwise pieces: plain functions, swapped for compiled ones by `compile`; the norm
-        # may be a kernel instead (`use_norm`), which stays as it is
-        self.base_norm = rms_norm
-        self.norm_fn, self.rope_fn = self.base_norm, apply_rope
+        # and RoPE may be kernels instead (`use_kernels`), which stay as they are
+        self.base_norm, self.base_rope = rms_norm, apply_rope
+        self.norm_fn, self.rope_fn = rms_norm, apply_rope
         self.act_mul = silu_mul if c.hidden_act == "silu" else gelu_mul
         self.compiled = None
         inv_freq = rope_inv_freq(c)
@@ -121,10 +121,15 @@ class LlamaModel:
         layout = head if layers == head else f"layers: {layers}; head: {head}"
         return layout + (f" ({self.layout_note})" if self.layout_note else "")
 
-    def use_norm(self, fn) -> None:
-        """Run RMSNorm with `fn` (same signature as rms_norm), e.g. batchgen's fixed-order kernel
-        (batchgen.model.rmsnorm), which a compile leaves alone: an opaque op to Inductor."""
-        self.base_norm = self.norm_fn = fn
+    def use_kernels(self, norm=None, rope=None) -> None:
+        """Run RMSNorm with `norm` and RoPE with `rope` where given (same signatures as rms_norm and
+        apply_rope), e.g. batchgen's kernels (batchgen.model.rmsnorm, batchgen.model.rope), which a
+        compile leaves alone: opaque ops to Inductor. The rope kernel takes the step's shapes only, so the
+        no-cache path (`prefill`) keeps apply_rope."""
+        if norm is not None:
+            self.base_norm = self.norm_fn = norm
+        if rope is not None:
+            self.base_rope = self.rope_fn = rope
 
     def compile(self, mode: str | None = None) -> None:
         """torch.compile (Inductor) the elementwise pieces around the matmuls: RMSNorm (6 ops), RoPE
@@ -134,12 +139,12 @@ class LlamaModel:
         prepacked one, which is what Inductor's freezing would call too)."""
         kw = {"dynamic": True, **({"mode": mode} if mode else {})}
         self.norm_fn = torch.compile(rms_norm, **kw) if self.base_norm is rms_norm else self.base_norm
-        self.rope_fn = torch.compile(apply_rope, **kw)
+        self.rope_fn = torch.compile(apply_rope, **kw) if self.base_rope is apply_rope else self.base_rope
         self.act_mul = torch.compile(self.act_mul, **kw)
         self.compiled = mode or "default"
 
     def uncompile(self, why: str) -> None:
-        self.norm_fn, self.rope_fn = self.base_norm, apply_rope
+        self.norm_fn, self.rope_fn = self.base_norm, self.base_rope
         self.act_mul = silu_mul if self.config.hidden_act == "silu" else gelu_mul
         self.compiled = why
 
@@ -236,9 +241,10 @@ class LlamaModel:
         cos, sin = self.cos[:P], self.sin[:P]  # [P, D]
         h = self._embed(tokens)  # [N, P, E]
         pos = torch.arange(P, device=h.device)
+        rope = self.rope_fn if self.base_rope is apply_rope else apply_rope  # a rope kernel takes the step's shapes
         for layer in self.layers:
             q, k, v = (x.transpose(1, 2) for x in self._qkv(layer, h))  # [N, H, P, D], [N, Hkv, P, D] x2
-            q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
             if layer.window is None and c.attn_softcap is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                    enable_gqa=self.group > 1)
