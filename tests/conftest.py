@@ -98,6 +98,13 @@ def skip_or_fail(reason: str, flag: str = "BATCHGEN_REQUIRE_KERNELS") -> None:
     pytest.skip(reason)
 
 
+def kernel_op(name: str, why: str | None, op):
+    """`op` once kernel `name` has loaded (`why` is None), else skip (or fail in CI) saying why."""
+    if why is not None:
+        skip_or_fail(f"the {name} kernel did not load: {why}")
+    return op
+
+
 def read_run_table(run_dir, table: str):
     """One output table of a run, from the files its manifests commit (what every reader must see)."""
     from batchgen.data.run import RunDir

@@ -9,15 +9,12 @@ import torch
 
 from batchgen.model import rmsnorm
 from batchgen.model.llama import rms_norm
-from conftest import skip_or_fail
+from conftest import kernel_op
 
 
 @pytest.fixture(scope="module")
 def op():
-    why = rmsnorm.load()
-    if why is not None:
-        skip_or_fail(f"the rmsnorm kernel did not load: {why}")
-    return rmsnorm.rms_norm
+    return kernel_op("rmsnorm", rmsnorm.load(), rmsnorm.rms_norm)
 
 
 def rows(n_rows, width, dtype, seed=0):

@@ -8,15 +8,12 @@ import torch
 
 from batchgen.model import rope
 from batchgen.model.llama import apply_rope
-from conftest import skip_or_fail
+from conftest import kernel_op
 
 
 @pytest.fixture(scope="module")
 def op():
-    why = rope.load()
-    if why is not None:
-        skip_or_fail(f"the rope kernel did not load: {why}")
-    return rope.apply_rope
+    return kernel_op("rope", rope.load(), rope.apply_rope)
 
 
 def inputs(T, H, D, dtype, seed=0):
