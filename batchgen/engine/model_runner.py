@@ -207,7 +207,6 @@ class ModelRunner:
                     f"(batchgen's rmsnorm kernel: {rmsnorm.load()})")
         if self.model.base_rope is not rope.apply_rope:
             return f"off: torch's RoPE in place of batchgen's rope kernel, which both steps call ({rope.load()})"
-
         kernels = ("GGUF blocks on qgemv" if self.quantization == "gguf" else
                    f"{self.dtype} on {'bgemm' if self.dtype == 'bfloat16' else 'gemv'}")
         return f"on: {kernels}, C++ paged attention, fixed-order RMSNorm and RoPE, counter-hash sampling"
