@@ -143,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     kern = sub.add_parser("kernels", help="this machine's C++ CPU kernels").add_subparsers(dest="kernels_cmd",
                                                                                            required=True)
     kb = kern.add_parser("build", help="build them now (once per machine; otherwise the first run that needs one does)")
-    kb.add_argument("names", nargs="*", metavar="NAME", help="only these kernels (default: all of them: "
-                    "gemv, sample, qgemv, attention, bgemm)")
+    kb.add_argument("names", nargs="*", metavar="NAME", help="only these kernels (default: all of them; an "
+                    "unknown name is refused with the list)")
     return parser
 
 

@@ -22,7 +22,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -109,6 +109,16 @@ def load(name: str) -> str | None:
         return None
     except (OSError, RuntimeError) as e:
         return f"{type(e).__name__}: {e}"
+
+
+def load_op(name: str, op: str, fake: Callable) -> str | None:
+    """`load(name)`, then give its op `op` ("namespace::op") the shape-only kernel `fake`, so that a
+    compiled step traces through the op (opaque to Inductor); once per process, as the dispatcher
+    remembers it. None once loaded; else why the kernel cannot be used here."""
+    why = load(name)
+    if why is None and not torch._C._dispatch_has_kernel_for_dispatch_key(op, "Meta"):
+        torch.library.register_fake(op)(fake)
+    return why
 
 
 def build_all(names: Iterable[str] = NAMES) -> list[str]:

@@ -14,13 +14,8 @@ TN, TK = 16, 32  # a packed tile: 32 K x 16 columns
 
 def load() -> str | None:
     """None once the kernel's library is loaded in this process; else why it cannot be used here."""
-    why = kernels.load("bgemm")
-    if why is not None:
-        return why
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("batchgen_bgemm::bgemm", "Meta"):
-        # a shape-only kernel, so that a compiled step traces through the op
-        torch.library.register_fake("batchgen_bgemm::bgemm")(lambda x, w, n, use_amx: x.new_empty((*x.shape[:-1], n)))
-    return None
+    return kernels.load_op("bgemm", "batchgen_bgemm::bgemm",
+                           lambda x, w, n, use_amx: x.new_empty((*x.shape[:-1], n)))
 
 
 def isa() -> str:

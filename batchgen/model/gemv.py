@@ -12,13 +12,9 @@ from batchgen import kernels
 def load() -> int | str:
     """The kernel's column-block width (an int) once its library is loaded in this process; or, as
     a str, why it cannot be used here."""
-    why = kernels.load("gemv")
+    why = kernels.load_op("gemv", "batchgen_gemv::gemv", lambda x, w, n: x.new_empty((*x.shape[:-1], n)))
     if why is not None:
         return why
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("batchgen_gemv::gemv", "Meta"):
-        # a shape-only kernel, so that a compiled step traces through the op (once per process: the
-        # dispatcher remembers it)
-        torch.library.register_fake("batchgen_gemv::gemv")(lambda x, w, n: x.new_empty((*x.shape[:-1], n)))
     return int(torch.ops.batchgen_gemv.block_width())
 
 

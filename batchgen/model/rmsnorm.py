@@ -1,7 +1,8 @@
 """batchgen's fixed-order RMSNorm (batchgen/kernels/rmsnorm.cpp), built on the machine that runs it
 (batchgen.kernels): each row's mean of squares added in one order, whatever the batch, in the eager
-step and the compiled one alike. A batch-invariant run uses it on CPU; where it cannot be built,
-`load()` says why and the run keeps torch's norm (batchgen.model.llama.rms_norm)."""
+step and the compiled one alike. The native engine's CPU step uses it (a batch-invariant run needs
+it); where it cannot be built, `load()` says why and the step keeps torch's norm
+(batchgen.model.llama.rms_norm)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,8 @@ from batchgen import kernels
 
 def load() -> str | None:
     """None once the kernel's library is loaded in this process; else why it cannot be used here."""
-    why = kernels.load("rmsnorm")
-    if why is not None:
-        return why
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("batchgen_rmsnorm::rms_norm", "Meta"):
-        # a shape-only kernel, so that a compiled step traces through the op (opaque to Inductor, which
-        # would otherwise fuse the norm and choose its own order of adding)
-        torch.library.register_fake("batchgen_rmsnorm::rms_norm")(lambda x, w, eps: torch.empty_like(x))
-    return None
+    # opaque to Inductor, which would otherwise fuse the norm and choose its own order of adding
+    return kernels.load_op("rmsnorm", "batchgen_rmsnorm::rms_norm", lambda x, w, eps: torch.empty_like(x))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

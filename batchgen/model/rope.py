@@ -12,14 +12,7 @@ from batchgen import kernels
 
 def load() -> str | None:
     """None once the kernel's library is loaded in this process; else why it cannot be used here."""
-    why = kernels.load("rope")
-    if why is not None:
-        return why
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("batchgen_rope::rope", "Meta"):
-        # a shape-only kernel, so that a compiled step traces through the op (opaque to Inductor)
-        torch.library.register_fake("batchgen_rope::rope")(
-            lambda x, cos, sin: x.new_empty((x.shape[0], x.shape[1], x.shape[2])))
-    return None
+    return kernels.load_op("rope", "batchgen_rope::rope", lambda x, cos, sin: x.new_empty(x.shape))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
