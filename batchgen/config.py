@@ -264,9 +264,10 @@ class EngineConfig:
     max_num_batched_tokens: int = setting(4096, ge=1, title="Max tokens per step",
                                           help="decode tokens plus chunks of prompts, in one forward pass")
     dtype: str = setting("auto", choices=("auto",) + DTYPES, title="Dtype",
-                         help="auto: the weight dtype measured fastest on this machine (native engine; vLLM applies its "
-                              "own auto rule): with batch_invariant on, among the batch-invariant kernels, for the "
-                              "machine alone; off, among all, for the batch band of max_num_seqs")
+                         help="auto: the weights measured fastest on this machine (native engine; vLLM applies its own auto "
+                              "rule): with batch_invariant on, the dense dtype among the batch-invariant kernels for "
+                              "the machine alone; off, among all, for the batch band of max_num_seqs; then the "
+                              "model's own GGUF blocks where they are faster at max_num_seqs' band")
     device: str = setting("cpu", pattern=r"cpu|cuda(:\d+)?", title="Device", help="cpu, cuda or cuda:N")
     enable_kv_cache: bool = True  # False recomputes the whole history every step (the lab)
     attention_backend: str = setting(
@@ -314,9 +315,10 @@ class EngineConfig:
              "times")
     batch_invariant: str = setting(
         "on", choices=("on", "off"), title="Batch-invariant outputs (native engine, CPU)",
-        help="on: a row's tokens do not depend on max_num_seqs, the rows beside it, chunking or a resume (dtype "
-             "auto picks, by the machine alone, among kernels that sum each row in a fixed order: float32 on "
-             "batchgen's gemv, the model's GGUF blocks); off: the fastest kernels for the batch band of "
+        help="on: a row's tokens do not depend on the rows beside it, max_num_seqs, chunking or a resume, for the "
+             "weights the run takes (dtype auto picks among kernels that sum each row in a fixed order: float32 on "
+             "batchgen's gemv or bf16 on its bgemm by the machine alone, and the model's GGUF blocks on qgemv where "
+             "they measure faster at max_num_seqs' band; a resume keeps the run's first weights); off: the fastest kernels for the batch band of "
              "max_num_seqs (e.g. bf16 on oneDNN), whose sums depend on the batch. The run's conditions say "
              "which held")
     seed: int = setting(0, title="Run seed", help="rows without a seed column derive theirs from it and their id")

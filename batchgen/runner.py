@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -170,7 +170,10 @@ class Worker:
             self._reuse[1].close()
             self._reuse = None
 
-    def load_engine(self, cfg: RunConfig, model_dir: Path) -> Engine:
+    def load_engine(self, cfg: RunConfig, model_dir: Path, run: RunDir | None = None) -> Engine:
+        """The engine for `cfg`; in `run`, with the weights its first attempt took (weights_as_started)."""
+        if run is not None:
+            cfg = weights_as_started(cfg, run)
         key = (cfg.engine, str(model_dir), cfg.engine_config,
                json.dumps(cfg.engine_options, sort_keys=True, default=str), cfg.lora_adapters)
         if self.engine is None or key != self._engine_key:
@@ -198,6 +201,22 @@ class Worker:
             self.attempts[str(run.path)] = run.attempt_file
         else:
             run.attempt_file = self.attempts[str(run.path)]
+
+
+def weights_as_started(cfg: RunConfig, run: RunDir) -> RunConfig:
+    """`cfg` with `--dtype auto` pinned to the weights the run's first attempt took, where that attempt
+    was batch-invariant: auto takes the model's GGUF blocks by max_num_seqs's batch band, and a resume
+    may change max_num_seqs (BATCH_SHAPE_SETTINGS) without changing a token."""
+    ec = cfg.engine_config
+    if cfg.engine != "native" or ec.dtype != "auto" or ec.quantization != "none" or ec.batch_invariant != "on":
+        return cfg
+    first = next((a["conditions"]["engine"] for a in run.attempts() if "engine" in a.get("conditions", {})), None)
+    if first is None or not str(first.get("batch_invariant", "")).startswith("on"):
+        return cfg
+    gguf = str(first.get("quantization") or "").startswith("gguf")
+    pinned = replace(ec, quantization="gguf") if gguf else replace(ec, dtype=first["dtype"])
+    _say(f"resuming with the weights the run started with: {'the GGUF blocks' if gguf else first['dtype']}")
+    return replace(cfg, engine_config=pinned)
 
 
 def run_conditions(cfg: RunConfig, engine: Engine, probe: bool = True) -> dict[str, Any]:
@@ -317,7 +336,7 @@ def run_shard_in_worker(cfg: RunConfig, run_path: str, index: int, worker: Worke
     the process's worker (its loaded engine)."""
     run = RunDir(run_path, worker.faults)
     model_dir = resolve_model(cfg.model)
-    engine = worker.load_engine(cfg, model_dir)
+    engine = worker.load_engine(cfg, model_dir, run)
     worker.record_once(run, cfg, engine)
     try:
         dataset = order.planned(PromptDataset(cfg.inputs, cfg.keep_columns), run.store,
@@ -405,7 +424,7 @@ def generate(cfg: RunConfig, on_shard: Callable[[dict], None] | None = None, pro
         output_tokens = 0
         engine = None
         try:
-            engine = worker.load_engine(cfg, opened.model_dir)
+            engine = worker.load_engine(cfg, opened.model_dir, opened.run)
             worker.attempts.pop(str(opened.run.path), None)  # a new attempt, even in a kept worker
             worker.record_once(opened.run, cfg, engine, probe)
             progress = _Progress(cfg.progress, opened.dataset.num_rows, opened.run.name)

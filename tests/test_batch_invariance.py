@@ -131,15 +131,24 @@ def test_bfloat16_rows_do_not_depend_on_the_batch_compiled_or_not(real_model_dir
 
 
 @needs_gemv
-def test_auto_chooses_by_the_machine_not_by_max_num_seqs(real_model_dir):
-    """With batch invariance on (the default), `--dtype auto` gives the same dtype and weight format at
-    every max_num_seqs; off, it may pick per batch band (and says so)."""
-    got = set()
+def test_auto_chooses_the_dense_dtype_by_the_machine_and_the_gguf_blocks_by_band(real_model_dir):
+    """With batch invariance on (the default), `--dtype auto` takes one dense dtype at every
+    max_num_seqs (by the machine), and the model's GGUF blocks, a weight format of their own, only by
+    max_num_seqs's band (where they measure faster: decode's narrow bands). Every choice is invariant
+    and says why."""
+    dense, blocks = set(), set()
     for mns in (1, 7, 256):
         _, c = engine_tokens(real_model_dir, prompts()[:1], max_num_seqs=mns)
         assert c["batch_invariant"].startswith("on:"), c["batch_invariant"]
-        got.add((c["dtype"], c["quantization"], c["weight_layout"].split(" (")[0]))
-    assert len(got) == 1, got
+        if c["quantization"]:
+            assert c["quantization"].startswith("gguf blocks") and c["dtype"] == "float32", c
+            blocks.add(mns)
+            dense.add(c["dtype_choice"].split("; dense: ")[1].split(",")[0])  # "...; dense: bfloat16, auto..."
+        else:
+            assert "GGUF blocks not taken" in c["dtype_choice"], c["dtype_choice"]
+            dense.add(c["dtype"])
+    assert len(dense) == 1, dense
+    assert 256 not in blocks  # the widest band: dense GEMMs reuse each weight across the rows
 
 
 def test_a_kernel_that_sums_by_the_batch_says_invariance_is_off(real_model_dir):
@@ -181,3 +190,33 @@ def test_kill_and_resume_with_wider_batches_gives_the_same_rows(tmp_path, real_m
     assert run_cli_subprocess(off).returncode == 0
     refused = run_cli_subprocess(off[:-2] + ["--max-num-seqs", "5", "--max-tokens", "1"])
     assert refused.returncode == 2 and "engine settings" in refused.stderr, refused.stderr
+
+
+def test_a_resume_keeps_the_weights_the_run_started_with(tmp_path):
+    """`--dtype auto` takes the GGUF blocks by max_num_seqs's band, and a resume may change
+    max_num_seqs: the resumed attempt is pinned to the first attempt's weights (a real run directory;
+    the attempts' conditions as an engine writes them)."""
+    from batchgen.config import RunConfig
+    from batchgen.data.run import RunDir
+    from batchgen.runner import weights_as_started
+
+    def cfg(**engine):
+        return RunConfig(inputs=("in.parquet",), output_dir=str(tmp_path), engine_config=EngineConfig(**engine))
+
+    def started(conditions, at):
+        run = RunDir(tmp_path / at)
+        run.record_attempt({"engine": {"dtype": "float32", "quantization": None, "batch_invariant": "on: ...",
+                                       **conditions}})
+        return run
+
+    blocks = started({"quantization": "gguf blocks as shipped (Q4_1, Q8_0)"}, "blocks")
+    got = weights_as_started(cfg(max_num_seqs=64), blocks).engine_config
+    assert (got.dtype, got.quantization, got.max_num_seqs) == ("auto", "gguf", 64)
+    dense = started({"dtype": "bfloat16"}, "dense")
+    got = weights_as_started(cfg(max_num_seqs=1), dense).engine_config
+    assert (got.dtype, got.quantization) == ("bfloat16", "none")  # no GGUF blocks at band 1 now
+    # left as given: a fresh run, asked weights, a run that was not batch-invariant
+    assert weights_as_started(cfg(), RunDir(tmp_path / "fresh")) == cfg()
+    assert weights_as_started(cfg(dtype="float32"), blocks) == cfg(dtype="float32")
+    loose = started({"quantization": "gguf blocks", "batch_invariant": "off: as asked"}, "loose")
+    assert weights_as_started(cfg(), loose) == cfg()

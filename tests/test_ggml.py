@@ -155,10 +155,13 @@ def test_the_engine_on_the_shipped_blocks_matches_float32(isas, real_model_dir):
 
 
 @pytest.mark.slow
-def test_dtype_auto_takes_the_shipped_blocks_where_they_measure_faster(isas, real_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("invariant", ["on", "off"])
+def test_dtype_auto_takes_the_shipped_blocks_where_they_measure_faster(isas, real_model_dir, tmp_path, monkeypatch,
+                                                                       invariant):
     """`--dtype auto` on CPU weighs the model's own GGUF blocks against the dense dtype it would take,
-    per batch band: the blocks where they are faster (here, by the measurement's test double, at band
-    1 and not at 64), with the same greedy tokens as float32 (they are the model's exact weights)."""
+    per batch band of max_num_seqs, batch-invariant or not: the blocks where they are faster (here, by
+    the measurement's test double, at band 1 and not at 64), with the same greedy tokens as float32
+    (they are the model's exact weights)."""
     from batchgen import kernels
     from batchgen.engine import precision
 
@@ -175,11 +178,13 @@ def test_dtype_auto_takes_the_shipped_blocks_where_they_measure_faster(isas, rea
                 "matrices": len(shapes)}
 
     monkeypatch.setattr(precision, "measure_gguf", measure_gguf_double)
+    monkeypatch.setattr(precision, "measure_invariant", lambda device, shapes, fp32_width, repeats=3: {
+        "speeds": dense, "matrices": len(shapes)})  # double: float32 on gemv the invariant dense choice
 
     def run(max_num_seqs, **kw):
         out, cond = engine_tokens(real_model_dir, CHAT, SamplingParams(max_tokens=16, ignore_eos=True),
                                   max_num_seqs=max_num_seqs, max_model_len=256, kv_cache_tokens=2048,
-                                  compile="off", batch_invariant="off", **kw)  # per band: off
+                                  compile="off", batch_invariant=invariant, **kw)
         return [out[str(i)] for i in range(len(CHAT))], cond
 
     got, cond = run(1)
@@ -190,3 +195,4 @@ def test_dtype_auto_takes_the_shipped_blocks_where_they_measure_faster(isas, rea
     _, wide = run(64)
     assert wide["quantization"] is None and "GGUF blocks not taken" in wide["dtype_choice"]
     assert calls and all(c == calls[0] for c in calls) and calls[0][0] == "float32"
+    assert cond["batch_invariant"].startswith("on:") == (invariant == "on"), cond["batch_invariant"]

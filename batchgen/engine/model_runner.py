@@ -87,8 +87,10 @@ class ModelRunner:
         why that dtype, and the weight format (`--dtype auto` on CPU takes the model's own GGUF blocks
         where they measure faster: batchgen.engine.precision.resolve_gguf)."""
         fp32, fp32_why, quantization = config.fp32_kernel, None, config.quantization
-        # a batch-invariant run chooses by the machine alone (precision.INVARIANT_BATCH), never by max_num_seqs,
-        # and runs bf16 on batchgen's bgemm (its rows do not depend on the batch) where it builds
+        # a batch-invariant run chooses its dense dtype by the machine alone (precision.INVARIANT_BATCH), never
+        # by max_num_seqs, and runs bf16 on batchgen's bgemm (its rows do not depend on the batch) where it
+        # builds; the model's GGUF blocks against that dtype go by max_num_seqs's band (a weight format of
+        # its own: the conditions and every request key name it, and a resume keeps the first attempt's)
         invariant = config.batch_invariant == "on" and config.device == "cpu" and config.pack_weights
         batch = INVARIANT_BATCH if invariant else config.max_num_seqs
         bf16_isa = bgemm.isa() if invariant and bgemm.load() is None else None
@@ -109,11 +111,11 @@ class ModelRunner:
                       if invariant and config.dtype == "auto" else None)
             dtype, why = chosen or resolve_dtype(config.dtype, config.device, batch, fp32)
             if config.dtype == "auto" and config.device == "cpu" and config.pack_weights:
-                take, gguf_why = resolve_gguf(model_dir, c, dtype, width if dtype == "float32" else None, batch,
-                                              bf16_tiles=bf16_isa is not None)
+                take, gguf_why = resolve_gguf(model_dir, c, dtype, width if dtype == "float32" else None,
+                                              config.max_num_seqs, bf16_tiles=bf16_isa is not None)
                 if take:
                     quantization, dtype = "gguf", "float32"
-                    why = f"auto: the model's GGUF blocks (float32 activations), {gguf_why}; dense: {why}"
+                    why = f"auto: the model's GGUF blocks (float32 activations), {gguf_why}; dense: {dtype}, {why}"
                 else:
                     why = f"{why}; the model's GGUF blocks not taken: {gguf_why}"
         model = load_model(model_dir, dtype, config.device, max_positions=min(config.max_model_len,

@@ -24,10 +24,13 @@ from batchgen.config import ModelConfig
 from batchgen.model.linear import Linear, fp32_kernel
 
 BANDS = (1, 8, 64, 256)
-# A batch-invariant run (EngineConfig.batch_invariant, the default) chooses by the machine alone, never
-# by its max_num_seqs: for the band of this batch (the default max_num_seqs'), and only among kernels
-# that sum each row in one fixed order whatever the rows beside it: float32 on batchgen's gemv, bfloat16
-# on batchgen's bgemm, the model's GGUF blocks on qgemv (resolve_invariant_dtype). oneDNN's bf16/fp16
+# A batch-invariant run (EngineConfig.batch_invariant, the default) chooses its dense dtype by the
+# machine alone, never by its max_num_seqs: for the band of this batch (the default max_num_seqs'), and
+# only among kernels that sum each row in one fixed order whatever the rows beside it: float32 on
+# batchgen's gemv, bfloat16 on batchgen's bgemm (resolve_invariant_dtype). The model's GGUF blocks on
+# qgemv, invariant too, are a weight format of their own, weighed against that dtype at max_num_seqs'
+# band (resolve_gguf): the conditions and the request keys name the weights, and a resume keeps the
+# first attempt's (batchgen.runner.weights_as_started). oneDNN's bf16/fp16
 # (and fp32) GEMMs pick their blocking by the number of rows and threads: measured on a 2-core Xeon with AMX, a row of a bf16 [960 x 576] product
 # came out the same alone and among 1..32 rows, differed among 33..500, and agreed again at 512.
 INVARIANT_BATCH = 32
