@@ -114,8 +114,8 @@ class ModelRunner:
                 take, gguf_why = resolve_gguf(model_dir, c, dtype, width if dtype == "float32" else None,
                                               config.max_num_seqs, bf16_tiles=bf16_isa is not None)
                 if take:
-                    quantization, dtype = "gguf", "float32"
                     why = f"auto: the model's GGUF blocks (float32 activations), {gguf_why}; dense: {dtype}, {why}"
+                    quantization, dtype = "gguf", "float32"
                 else:
                     why = f"{why}; the model's GGUF blocks not taken: {gguf_why}"
         model = load_model(model_dir, dtype, config.device, max_positions=min(config.max_model_len,

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from batchgen import kernels
 from batchgen.config import ModelConfig
 from batchgen.model.linear import Linear, fp32_kernel
 
@@ -111,7 +112,7 @@ def measure_fp32_kernels(device: str, width: int, shapes: list[tuple[int, int]] 
 def fp32_kernel_record(width: int, shapes: list[tuple[int, int]] | None = None) -> str:
     """The machine record's name for a crossover on `shapes` (one per model shape)."""
     key = hashlib.sha256(repr(shapes).encode()).hexdigest()[:12] if shapes else "generic"
-    return f"-fp32-kernel-gemv{width}-{key}"
+    return f"-fp32-kernel-gemv{width}-{kernels.builds('gemv')}-{key}"
 
 
 # oneDNN's kernel replaces gemv only where it is this much faster: near the crossover (batch 64 on a
@@ -191,7 +192,6 @@ def can_be_batch_invariant(config) -> bool:
     if (config.batch_invariant != "on" or config.device != "cpu" or config.attention_backend not in ("auto", "cpu")
             or config.dtype not in ("auto", "float32", "bfloat16") or config.quantization == "int4"):
         return False
-    from batchgen import kernels
     from batchgen.model import bgemm
 
     if any(kernels.load(k) is not None for k in ("attention", "rmsnorm", "rope")):
@@ -227,7 +227,8 @@ def resolve_invariant_dtype(device: str, shapes: list[tuple[int, int]], fp32_wid
     from batchgen.metrics.probe import cached_measurement
 
     key = hashlib.sha256(repr(shapes).encode()).hexdigest()[:12]
-    m = cached_measurement(f"-invariant-gemv{fp32_width}-bgemm-{bf16_isa}-{key}", device,
+    m = cached_measurement(f"-invariant-gemv{fp32_width}-bgemm-{bf16_isa}-{kernels.builds('gemv', 'bgemm')}-{key}",
+                           device,
                            lambda dev: measure_invariant(dev, shapes, fp32_width), prefix="invariant")
     band = band_of(INVARIANT_BATCH)
     speeds = m["speeds"][str(band)]
@@ -278,7 +279,8 @@ def resolve_gguf(model_dir, c: ModelConfig, dtype: str, fp32_width: int | None, 
     shapes = [(n, k) for n, k in decode_matrices(c) if k % ggml.QK == 0]
     key = hashlib.sha256(repr(shapes).encode()).hexdigest()[:12]
     tiles = "-bgemm" if bf16_tiles and dtype == "bfloat16" else ""
-    m = cached_measurement(f"-gguf-{dtype}{tiles}-gemv{fp32_width or 0}-{key}", "cpu",
+    m = cached_measurement(f"-gguf-{dtype}{tiles}-gemv{fp32_width or 0}-{kernels.builds('qgemv', 'gemv', 'bgemm')}-{key}",
+                           "cpu",
                            lambda dev: measure_gguf(dev, shapes, dtype, fp32_width, bf16_tiles=bool(tiles)),
                            prefix="gguf")
     band = band_of(batch)

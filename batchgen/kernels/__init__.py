@@ -74,6 +74,13 @@ def library_path(name: str, compiler: str) -> Path:
     return kernel_dir() / f"{name}-{key}.so"
 
 
+def builds(*names: str) -> str:
+    """A short digest of kernels `names`' builds (source, torch, compiler, CPU): a speed measured on
+    them is stale once one of them changes (batchgen.engine.precision names its records with it)."""
+    compiler = os.environ.get("CXX", "c++")
+    return hashlib.sha256(" ".join(library_path(n, compiler).name for n in names).encode()).hexdigest()[:8]
+
+
 def load(name: str) -> str | None:
     """Load kernel `name`'s library into this process (its ops appear under torch.ops), building it
     first where this machine has none. None once loaded; else, why it cannot be used here.

@@ -8,7 +8,7 @@
 //   - with AMX (Sapphire Rapids and later): tiles of 16 rows x 32 K (A) by 32 K x 16 columns (B),
 //     accumulated with TDPBF16PS in a 16 x 16 float32 tile, K in order;
 //   - with AVX512_BF16 only (Zen 4, Cooper Lake): VDPBF16PS, one 16-column accumulator per row, K in
-//     order, pairs at a time.
+//     order, pairs at a time; 12 rows x 32 columns a register block.
 // A row's result depends only on its own values and W (on one machine: AMX and VDPBF16PS do not
 // round alike, so the instruction set used is recorded).
 //
@@ -105,29 +105,60 @@ static inline void amx_block(const c10::BFloat16* a, int64_t lda, int64_t KB, co
 }
 #endif
 
-// the same products with VDPBF16PS: `rows` (<= 4) rows of a times b0, b1; c [rows][32]
-static inline void dp_block(const c10::BFloat16* a, int64_t lda, int rows, int64_t KB, const c10::BFloat16* b0,
-                            const c10::BFloat16* b1, float* c) {
-  __m512 acc[4][2];
-  for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+// the same products with VDPBF16PS: R rows of a times b0, b1 (32 columns); c [R][32]. 2R accumulators
+// (24 at R = 12): each pair of weight vectors loaded once serves R rows, each row's pair of x values
+// is one broadcast load, so the dot products, not the loads, set the pace
+template <int R>
+static inline void dp_rows(const c10::BFloat16* a, int64_t lda, int64_t KB, const c10::BFloat16* b0,
+                           const c10::BFloat16* b1, float* c) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < KB; ++kb) {
+    const c10::BFloat16* w0p = b0 + kb * TILE;
+    const c10::BFloat16* w1p = b1 + kb * TILE;
+    const c10::BFloat16* ap = a + kb * TK;
+#pragma GCC unroll 4
     for (int p = 0; p < TK / 2; ++p) {
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + kb * TILE + p * 32);
-      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + kb * TILE + p * 32);
-      for (int r = 0; r < 4; ++r) {
-        if (r < rows) {
-          int32_t pair;
-          std::memcpy(&pair, a + r * lda + kb * TK + 2 * p, 4);
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
-          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
-        }
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w0p + p * 32);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w1p + p * 32);
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, ap + r * lda + 2 * p, 4);
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
       }
     }
   }
-  for (int r = 0; r < rows; ++r) {
+  for (int r = 0; r < R; ++r) {
     _mm512_storeu_ps(c + r * 32, acc[r][0]);
     _mm512_storeu_ps(c + r * 32 + 16, acc[r][1]);
+  }
+}
+
+constexpr int DR = 12;  // rows of a VDPBF16PS block
+
+// `rows` (<= MB) rows: DR at a time, then the rest in one smaller block (each row's sums the same)
+static void dp_block(const c10::BFloat16* a, int64_t lda, int64_t rows, int64_t KB, const c10::BFloat16* b0,
+                     const c10::BFloat16* b1, float* c) {
+  int64_t r = 0;
+  for (; r + DR <= rows; r += DR) dp_rows<DR>(a + r * lda, lda, KB, b0, b1, c + r * 32);
+  const auto* ar = a + r * lda;
+  float* cr = c + r * 32;
+  switch (rows - r) {
+    case 0: break;
+    case 1: dp_rows<1>(ar, lda, KB, b0, b1, cr); break;
+    case 2: dp_rows<2>(ar, lda, KB, b0, b1, cr); break;
+    case 3: dp_rows<3>(ar, lda, KB, b0, b1, cr); break;
+    case 4: dp_rows<4>(ar, lda, KB, b0, b1, cr); break;
+    case 5: dp_rows<5>(ar, lda, KB, b0, b1, cr); break;
+    case 6: dp_rows<6>(ar, lda, KB, b0, b1, cr); break;
+    case 7: dp_rows<7>(ar, lda, KB, b0, b1, cr); break;
+    case 8: dp_rows<8>(ar, lda, KB, b0, b1, cr); break;
+    case 9: dp_rows<9>(ar, lda, KB, b0, b1, cr); break;
+    case 10: dp_rows<10>(ar, lda, KB, b0, b1, cr); break;
+    default: dp_rows<11>(ar, lda, KB, b0, b1, cr); break;
   }
 }
 
@@ -181,8 +212,7 @@ at::Tensor bgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t us
           }
 #endif
         } else {
-          for (int64_t r = 0; r < rows; r += 4)
-            dp_block(a + r * lda, lda, (int)std::min<int64_t>(4, rows - r), KB, b0, b1, c + r * 32);
+          dp_block(a, lda, rows, KB, b0, b1, c);
         }
         for (int64_t r = 0; r < rows; ++r) store_bf16(c + r * 32, cols, yp + (m + r) * n + col0);
       }
