@@ -72,7 +72,8 @@ def cmd_bench(args) -> int:
 
     results, conditions = run_bench(resolve_model(args.model), csv(args.engines), [int(b) for b in csv(args.batches)],
                                     csv(args.modes), args.new_tokens, args.speculative, args.spec_batch,
-                                    repeats=args.repeats, native_variants=tuple(csv(args.native_variants)))
+                                    repeats=args.repeats, native_variants=tuple(csv(args.native_variants)),
+                                    prompt_tokens=args.prompt_tokens)
     print(format_bench(results, conditions))
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}.parquet")
     print(f"\nresults: {write_parquet(results, conditions, out)}")
@@ -126,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="measure each cell N times, modes alternating in order, and keep the median (its "
                             "spread is printed): a shared machine's noise, seen")
     bench.add_argument("--new-tokens", type=int, default=64)
+    bench.add_argument("--prompt-tokens", type=int, default=None,
+                       help="every prompt this many tokens (held instructions joined and cut; e.g. 300 for the "
+                            "prefill MFU target), instead of the held prompts as they are (40 to 256 tokens)")
     bench.add_argument("--speculative", type=int, default=4, help="n-gram draft tokens for the speculation "
                                                                      "section (0: skip it)")
     bench.add_argument("--spec-batch", type=int, default=8)

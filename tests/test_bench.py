@@ -68,6 +68,25 @@ def test_repeats_alternate_the_modes_and_keep_the_median(tiny_model_dir):
     assert "the median shown" in format_bench(results, conditions) and "spread" in format_bench(results, conditions)
 
 
+def test_prompts_of_a_set_length_for_the_prefill_target(tiny_model_dir):
+    """`--prompt-tokens N`: N-token chat prompts of real text (held instructions joined and cut), no two
+    with a shared prefix, each ending in the template's turn for the assistant; the run says so."""
+    from batchgen.benchmarks.bench import sized_prompt_ids
+    from batchgen.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_model_dir)
+    ids = sized_prompt_ids(tok, 12, 120)
+    assert len(ids) == 12 and all(119 <= len(p) <= 120 for p in ids), [len(p) for p in ids]  # a cut may merge a token
+    assert len({tuple(p[:24]) for p in ids}) == 12
+    tail = tok.encode(tok.apply_chat_template([{"role": "user", "content": "x"}]))[-3:]
+    assert all(p[-3:] == tail for p in ids)
+    results, conditions = run_bench(tiny_model_dir, ["native"], [2], ["greedy"], new_tokens=2, speculative_k=0,
+                                    log=lambda *_: None, native_variants=("eager",), prompt_tokens=120)
+    assert conditions["prompts"].startswith("chat prompts of 120 tokens") and "120 tokens" in format_bench(
+        results, conditions)
+    assert all(m.tokens == m.prompts * 2 for m in results if m.section == "grid")
+
+
 def test_a_peer_that_is_not_installed_is_left_out_with_a_line(tiny_model_dir, monkeypatch):
     """llama.cpp and vLLM's own generate are optional peers: a run without them says so and goes on."""
     import sys
