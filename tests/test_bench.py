@@ -27,8 +27,10 @@ def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, 
         # the native engine's time choosing tokens, a share of its decode steps; the peer reports none
         native = m.engine.startswith("native")
         assert (0 < m.sample_share < 1 and m.decode_mbu_p50 > 0) if native else m.sample_share is None
-        # prefill's matmul FLOPs over the run's own peak in the dtype: the native engine's rows only
-        assert (m.prefill_mfu > 0) if native else m.prefill_mfu is None
+        # prefill's matmul FLOPs over the run's own peak in the dtype (float32 and bfloat16 are measured; a
+        # loose auto may take float16, e.g. on a Zen 4): the native engine's rows only
+        measured = native and m.dtype in conditions["peak_flops"]
+        assert (m.prefill_mfu > 0) if measured else m.prefill_mfu is None
         assert m.step_itl_p50_s > 0
     assert any(m.compile_s > 0 for m in grid if m.engine == "native:compiled")
     auto = [m for m in grid if m.engine in compiled and m.mode == "greedy"]
@@ -43,7 +45,8 @@ def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, 
     assert "measured at the start of this run" in text and conditions["peak_read_bytes_per_s"] > 0
     assert all(conditions["peak_flops"][d] > 0 for d in ("float32", "bfloat16")) and "GFLOP/s in bfloat16" in text
     assert "pre MFU" in text and conditions["prompt_token_flops"] > 0
-    assert "batch 1 fp32 decode MBU at the median step" in text and "sampled / greedy (native fp32), median " \
+    assert "batch 1 decode MBU at the median step, default (native:auto" in text
+    assert "batch 1 decode MBU at the median step, fp32 (" in text and "sampled / greedy (native fp32), median " \
         "decode step" in text and "of the decode steps sampled" in text
     assert ("gemv kernel / oneDNN's (compiled), median decode step" in text) == gemv_on
     # what batch invariance costs, at each batch: the default auto against auto with it off
@@ -77,9 +80,10 @@ def test_prompts_of_a_set_length_for_the_prefill_target(tiny_model_dir):
     tok = Tokenizer(tiny_model_dir)
     ids = sized_prompt_ids(tok, 12, 120)
     assert len(ids) == 12 and all(119 <= len(p) <= 120 for p in ids), [len(p) for p in ids]  # a cut may merge a token
-    assert len({tuple(p[:24]) for p in ids}) == 12
-    tail = tok.encode(tok.apply_chat_template([{"role": "user", "content": "x"}]))[-3:]
-    assert all(p[-3:] == tail for p in ids)
+    x = tok.encode(tok.apply_chat_template([{"role": "user", "content": "x"}]))
+    head = x[:x.index(tok.encode("x")[0])]  # the template up to the message (a system prompt, the turn's start)
+    assert all(p[:len(head)] == head and p[-3:] == x[-3:] for p in ids)  # ... and the assistant's turn last
+    assert len({tuple(p[len(head):len(head) + 16]) for p in ids}) == 12  # messages that do not share a start
     results, conditions = run_bench(tiny_model_dir, ["native"], [2], ["greedy"], new_tokens=2, speculative_k=0,
                                     log=lambda *_: None, native_variants=("eager",), prompt_tokens=120)
     assert conditions["prompts"].startswith("chat prompts of 120 tokens") and "120 tokens" in format_bench(

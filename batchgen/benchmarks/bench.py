@@ -659,11 +659,12 @@ def targets(results: list[Measurement], conditions: dict | None = None) -> list[
                        f"{'met' if m.prefill_mfu >= 0.6 else 'MISSED'}")
     # judged at the median step, with the mean beside it: these runs share a noisy machine, and a slow
     # patch of a few seconds moves a run's total time (and so its tok/s) by more than a 5% target
-    one = fp32(1, "greedy")
-    if one and one.decode_mbu_p50 is not None:
-        out.append(f"  batch 1 fp32 decode MBU at the median step ({one.engine}): {one.decode_mbu_p50:.2f} "
-                   f"(target 0.60) {'met' if one.decode_mbu_p50 >= 0.6 else 'MISSED'}; over all decode steps "
-                   f"{_fmt(one.decode_mbu, '.2f')}, whole run with prefill {_fmt(one.mbu, '.2f')}")
+    # (the default, on the bytes its weights take: the GGUF blocks where auto takes them; and fp32's)
+    for what, one in (("default", get("native:auto", 1, "greedy")), ("fp32", fp32(1, "greedy"))):
+        if one and one.decode_mbu_p50 is not None:
+            out.append(f"  batch 1 decode MBU at the median step, {what} ({one.engine}, {one.dtype}): "
+                       f"{one.decode_mbu_p50:.2f} (target 0.60) {'met' if one.decode_mbu_p50 >= 0.6 else 'MISSED'}; "
+                       f"over all decode steps {_fmt(one.decode_mbu, '.2f')}, whole run with prefill {_fmt(one.mbu, '.2f')}")
     for b in sorted({m.batch for m in results if m.section == "grid"}):  # the fp32 kernels, side by side
         g, o = get("native:compiled", b, "greedy"), get("native:onednn", b, "greedy")
         if g and o and g.step_itl_p50_s and o.step_itl_p50_s:
