@@ -101,8 +101,35 @@ inline float to_f(c10::Half x) { return static_cast<float>(x); }
 constexpr int64_t PAD_POS = int64_t(1) << 40;  // attention_metadata.FAR: a padding query row
 constexpr int64_t MAX_BS = 256;  // block sizes the vector path holds scores for (larger: config allows 1024)
 
+// [x0 + x1, x2 + x3, ..., y0 + y1, y2 + y3, ...]: neighbouring lanes of x, then of y, added
+inline vec pairsum(vec x, vec y) {
+#if defined(__AVX512F__)
+  const ivec even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const ivec odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+#elif defined(__AVX__)
+  const ivec even = {0, 2, 4, 6, 8, 10, 12, 14};
+  const ivec odd = {1, 3, 5, 7, 9, 11, 13, 15};
+#else
+  const ivec even = {0, 2, 4, 6};
+  const ivec odd = {1, 3, 5, 7};
+#endif
+  return __builtin_shuffle(x, y, even) + __builtin_shuffle(x, y, odd);
+}
+
+// VL vectors a[0..VL) -> one vector whose lane j is the sum of a[j]'s lanes, each by one fixed tree
+// (neighbouring lanes first, then neighbouring pairs, ...): VL horizontal sums in VL - 1 pairsums,
+// where one hsum a vector took about as many operations. A lane's sum involves only its own vector.
+inline vec lane_sums(vec* a) {
+  for (int n = VL; n > 1; n /= 2)
+    for (int i = 0; i < n / 2; ++i) a[i] = pairsum(a[2 * i], a[2 * i + 1]);
+  return a[0];
+}
+
 // One query row against one block's visible slots [lo, hi): fold them into the row's running max m,
-// sum l and output acc [NV * VL]. k and v are the block's rows [bs, NV * VL], float32.
+// sum l and output acc [NV * VL]. k and v are the block's rows [bs, NV * VL], float32. The scores
+// are taken VL keys at a time: each key's D products in VL lanes (NV vectors added in order), the
+// lanes summed by lane_sums; a key's score depends on its own key and query alone (a missing key of a
+// short group is a zero vector, which touches no other lane), whatever the group it falls in.
 template <int NV>
 inline void fold(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, int64_t lo,
                  int64_t hi, float scale, float cap, float& m, float& l, float* __restrict__ acc) {
@@ -110,15 +137,25 @@ inline void fold(const float* __restrict__ q, const float* __restrict__ k, const
   alignas(64) float s[MAX_BS + VL];
   vec qv[NV];
   for (int i = 0; i < NV; ++i) qv[i] = load(q + i * VL);
+  for (int64_t j0 = lo - lo % VL; j0 < hi; j0 += VL) {
+    const int64_t count = std::min<int64_t>(VL, hi - j0);
+    vec a[VL];
+    for (int64_t jj = 0; jj < VL; ++jj) {
+      if (jj < count) {
+        const float* kj = k + (j0 + jj) * D;
+        vec t = qv[0] * load(kj);
+        for (int i = 1; i < NV; ++i) t += qv[i] * load(kj + i * VL);
+        a[jj] = t;
+      } else {
+        a[jj] = vec{};
+      }
+    }
+    store(s + j0, lane_sums(a) * scale);
+  }
   float mb = -std::numeric_limits<float>::infinity();
   for (int64_t j = lo; j < hi; ++j) {
-    const float* kj = k + j * D;
-    vec a = qv[0] * load(kj);
-    for (int i = 1; i < NV; ++i) a += qv[i] * load(kj + i * VL);
-    float x = hsum(a) * scale;
-    if (cap > 0.f) x = std::tanh(x / cap) * cap;  // Gemma 2: scores squashed into (-cap, cap)
-    s[j] = x;
-    mb = std::max(mb, x);
+    if (cap > 0.f) s[j] = std::tanh(s[j] / cap) * cap;  // Gemma 2: scores squashed into (-cap, cap)
+    mb = std::max(mb, s[j]);
   }
   const float m_new = std::max(m, mb);
   const float alpha = std::exp(m - m_new);  // 0 on the row's first block (m = -inf)
