@@ -25,7 +25,7 @@ from batchgen.engine.precision import (INVARIANT_BATCH, decode_matrices, resolve
 from batchgen.engine.request import Request
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import Chunk
-from batchgen.model import bgemm, ggml, rmsnorm, rope
+from batchgen.model import activation, bgemm, ggml, rmsnorm, rope
 from batchgen.model.linear import INT4_GROUP, can_int4, fp32_kernel
 from batchgen.model.llama import LlamaModel
 from batchgen.model.loader import DTYPES, load_model, read_model_config
@@ -126,7 +126,8 @@ class ModelRunner:
             # faster than torch's ops, and the same bits in the eager and the compiled step: the norm sums each
             # row in one order (Inductor's fused norm does not add as ATen's does), RoPE rounds where ATen does
             model.use_kernels(norm=rmsnorm.rms_norm if rmsnorm.load() is None else None,
-                              rope=rope.apply_rope if rope.load() is None else None)
+                              rope=rope.apply_rope if rope.load() is None else None,
+                              silu=activation.silu_mul if activation.load() is None else None)
         if dtype == "float32" and config.fp32_kernel == "auto" and fp32_why:
             model.layout_note = fp32_why  # which kernel auto took for this band, and the figures
         return model, dtype, why, quantization
@@ -211,7 +212,8 @@ class ModelRunner:
             return f"off: torch's RoPE in place of batchgen's rope kernel, which both steps call ({rope.load()})"
         kernels = ("GGUF blocks on qgemv" if self.quantization == "gguf" else
                    f"{self.dtype} on {'bgemm' if self.dtype == 'bfloat16' else 'gemv'}")
-        return f"on: {kernels}, C++ paged attention, fixed-order RMSNorm and RoPE, counter-hash sampling"
+        act = ", one-pass SwiGLU" if self.model.base_act is activation.silu_mul else ""
+        return f"on: {kernels}, C++ paged attention, fixed-order RMSNorm and RoPE{act}, counter-hash sampling"
 
     def _quantization(self) -> str | None:
         if self.quantization == "int4":

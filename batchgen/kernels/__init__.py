@@ -29,7 +29,7 @@ import torch
 
 from batchgen.config import batchgen_home
 
-NAMES = ("gemv", "sample", "qgemv", "attention", "bgemm", "rmsnorm", "rope")
+NAMES = ("gemv", "sample", "qgemv", "attention", "bgemm", "rmsnorm", "rope", "silumul")
 # kernels that hold a build per instruction set and choose one at run time: compiled for the baseline
 # architecture, with each instruction set's code under its own target pragma (-march=native would let
 # every function use the build machine's widest instructions, and a narrower region could not call

@@ -98,7 +98,7 @@ class LlamaModel:
         # and RoPE may be kernels instead (`use_kernels`), which stay as they are
         self.base_norm, self.base_rope = rms_norm, apply_rope
         self.norm_fn, self.rope_fn = rms_norm, apply_rope
-        self.act_mul = silu_mul if c.hidden_act == "silu" else gelu_mul
+        self.base_act = self.act_mul = silu_mul if c.hidden_act == "silu" else gelu_mul
         self.compiled = None
         inv_freq = rope_inv_freq(c)
         pos = torch.arange(max_positions, dtype=torch.float32)
@@ -121,15 +121,18 @@ class LlamaModel:
         layout = head if layers == head else f"layers: {layers}; head: {head}"
         return layout + (f" ({self.layout_note})" if self.layout_note else "")
 
-    def use_kernels(self, norm=None, rope=None) -> None:
-        """Run RMSNorm with `norm` and RoPE with `rope` where given (same signatures as rms_norm and
-        apply_rope), e.g. batchgen's kernels (batchgen.model.rmsnorm, batchgen.model.rope), which a
-        compile leaves alone: opaque ops to Inductor. The rope kernel takes the step's shapes only, so the
+    def use_kernels(self, norm=None, rope=None, silu=None) -> None:
+        """Run RMSNorm with `norm`, RoPE with `rope` and SwiGLU's activation with `silu` where given
+        (same signatures as rms_norm, apply_rope and silu_mul; `silu` only where the model's activation
+        is SiLU), e.g. batchgen's kernels (batchgen.model.rmsnorm, .rope, .activation), which a compile
+        leaves alone: opaque ops to Inductor. The rope kernel takes the step's shapes only, so the
         no-cache path (`prefill`) keeps apply_rope."""
         if norm is not None:
             self.base_norm = self.norm_fn = norm
         if rope is not None:
             self.base_rope = self.rope_fn = rope
+        if silu is not None and self.config.hidden_act == "silu":
+            self.base_act = self.act_mul = silu
 
     def compile(self, mode: str | None = None) -> None:
         """torch.compile (Inductor) the elementwise pieces around the matmuls: RMSNorm (6 ops), RoPE
@@ -140,12 +143,11 @@ class LlamaModel:
         kw = {"dynamic": True, **({"mode": mode} if mode else {})}
         self.norm_fn = torch.compile(rms_norm, **kw) if self.base_norm is rms_norm else self.base_norm
         self.rope_fn = torch.compile(apply_rope, **kw) if self.base_rope is apply_rope else self.base_rope
-        self.act_mul = torch.compile(self.act_mul, **kw)
+        self.act_mul = torch.compile(self.base_act, **kw) if self.base_act in (silu_mul, gelu_mul) else self.base_act
         self.compiled = mode or "default"
 
     def uncompile(self, why: str) -> None:
-        self.norm_fn, self.rope_fn = self.base_norm, self.base_rope
-        self.act_mul = silu_mul if self.config.hidden_act == "silu" else gelu_mul
+        self.norm_fn, self.rope_fn, self.act_mul = self.base_norm, self.base_rope, self.base_act
         self.compiled = why
 
     @torch.inference_mode()
