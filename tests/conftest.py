@@ -98,6 +98,18 @@ def skip_or_fail(reason: str, flag: str = "BATCHGEN_REQUIRE_KERNELS") -> None:
     pytest.skip(reason)
 
 
+def on_one_thread(fn):
+    """fn() with torch on one thread (a kernel's rows must not depend on how many threads split them)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def kernel_op(name: str, why: str | None, op):
     """`op` once kernel `name` has loaded (`why` is None), else skip (or fail in CI) saying why."""
     if why is not None:

@@ -10,6 +10,7 @@ import torch
 from batchgen import kernels
 from batchgen.model import bgemm
 from batchgen.model.linear import Linear
+from conftest import on_one_thread
 
 WHY = bgemm.load()
 # skipped (loudly) only on a CPU without bf16 dot products; where it has them, a kernel that does not
@@ -46,12 +47,7 @@ def test_a_rows_bits_do_not_depend_on_its_batch():
         alone = torch.cat([bgemm.bgemm(x[i:i + 1], packed, 640, amx) for i in range(0, 300, 13)])
         assert torch.equal(alone, full[0:300:13])  # alone vs among 299 others
         assert torch.equal(bgemm.bgemm(x[5:22], packed, 640, amx), full[5:22])  # another place in a block
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            assert torch.equal(bgemm.bgemm(x, packed, 640, amx), full)
-        finally:
-            torch.set_num_threads(threads)
+        assert torch.equal(on_one_thread(lambda: bgemm.bgemm(x, packed, 640, amx)), full)
 
 
 def test_linear_runs_on_it_and_under_compile():

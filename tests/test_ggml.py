@@ -10,7 +10,7 @@ from batchgen.config import EngineConfig, SamplingParams
 from batchgen.model import ggml
 from batchgen.model.ggml import BlockLinear
 
-from conftest import engine_tokens, skip_or_fail
+from conftest import engine_tokens, on_one_thread, skip_or_fail
 
 CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
         "Explain photosynthesis in one sentence."]
@@ -67,16 +67,10 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(isas, kind):
     """Bit for bit: a row alone, among 7 or among 64 rows, on one thread or two."""
     lin = random_blocks(kind, 200, 576, seed=3)
     x = torch.randn(64, 576, generator=torch.Generator().manual_seed(5))
-    threads = torch.get_num_threads()
     for isa in isas:
         lin.isa = isa
         full = lin(x)
-        try:
-            torch.set_num_threads(1)
-            one_thread = lin(x)
-        finally:
-            torch.set_num_threads(threads)
-        assert torch.equal(full, one_thread)
+        assert torch.equal(full, on_one_thread(lambda: lin(x)))
         for i in (0, 6, 63):
             assert torch.equal(lin(x[i:i + 1])[0], full[i])
             assert torch.equal(lin(x[max(0, i - 6):i + 1])[-1], full[i])

@@ -9,7 +9,7 @@ import torch
 
 from batchgen.model import rmsnorm
 from batchgen.model.llama import rms_norm
-from conftest import kernel_op
+from conftest import kernel_op, on_one_thread
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +52,7 @@ def test_a_row_is_the_same_bits_alone_in_a_batch_and_on_any_threads(op, dtype):
     for i in (0, 7, 150, 299):
         assert torch.equal(op(x[i:i + 1], w, 1e-5), full[i:i + 1])
         assert torch.equal(op(x[i:i + 33], w, 1e-5)[0], full[i])  # first of a batch of 33 (or fewer at the end)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(op(x, w, 1e-5), full)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(on_one_thread(lambda: op(x, w, 1e-5)), full)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

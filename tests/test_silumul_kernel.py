@@ -8,7 +8,7 @@ import torch
 
 from batchgen.model import activation
 from batchgen.model.llama import silu_mul
-from conftest import kernel_op
+from conftest import kernel_op, on_one_thread
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +45,7 @@ def test_extremes_do_not_overflow(op):
 def test_a_row_is_the_same_bits_alone_in_a_batch_on_any_threads_and_compiled(op, dtype):
     x = gate_up(300, 1536 + 5, dtype, seed=3)
     batch = op(x)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one_thread = op(x)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(batch, one_thread)
+    assert torch.equal(batch, on_one_thread(lambda: op(x)))
     for r in (0, 17, 299):
         assert torch.equal(op(x[r:r + 1])[0], batch[r])
     compiled = torch.compile(lambda t: op(t) * 1, dynamic=False)  # opaque to Inductor: the same op runs

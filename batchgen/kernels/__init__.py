@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -68,8 +69,16 @@ def _command(name: str, compiler: str, out: Path) -> list[str]:
             "-o", str(out)]
 
 
+def source_text(name: str) -> str:
+    """Kernel `name`'s source with the text of the headers beside it that it includes (vec.h): a
+    change to either is a new build."""
+    text = source(name).read_text()
+    headers = re.findall(r'^#include "([^"]+)"', text, flags=re.M)
+    return text + "".join(source(name).with_name(h).read_text() for h in headers)
+
+
 def library_path(name: str, compiler: str) -> Path:
-    key = hashlib.sha256("\n".join([source(name).read_text(), torch.__version__, compiler, platform.machine(),
+    key = hashlib.sha256("\n".join([source_text(name), torch.__version__, compiler, platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     return kernel_dir() / f"{name}-{key}.so"
 

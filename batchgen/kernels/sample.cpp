@@ -26,21 +26,16 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
-constexpr int VL = 16;  // floats per vector register
-#elif defined(__AVX__)
-constexpr int VL = 8;
-#else
-constexpr int VL = 4;
-#endif
+#include "vec.h"
+
+using batchgen_vec::ivec;  // the machine's float vectors (vec.h); this file's e^x is its own (below)
+using batchgen_vec::load;
+using batchgen_vec::splat;
+using batchgen_vec::vec;
+using batchgen_vec::VL;
+
 constexpr int64_t BLOCK = 256;  // ids per block of the temperature-only inverse CDF (as sampler.py)
 constexpr int64_t MBLOCK = 64;  // ids per block maximum, which bounds the candidates' search
-
-typedef float vec __attribute__((vector_size(VL * sizeof(float))));  // GCC/Clang: the machine's vectors
-typedef int32_t ivec __attribute__((vector_size(VL * sizeof(int32_t))));
-
-static inline vec load(const float* p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
-static inline vec splat(float x) { return vec{} + x; }
 
 // e^x for x <= 0, lane-wise: x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite), e^r by Cephes' expf
 // polynomial, 2^n into the exponent bits. Below -87 (and -inf: a masked token) the result is 0.

@@ -7,8 +7,8 @@
 //
 //   s = round(g / (1 + e^-g)),  y = round(s * u)
 //
-// e^x is this file's own (a degree-6 polynomial after x = n ln2 + r, relative error ~2e-7, as the
-// attention kernel's), so its bits are not ATen's Sleef exp's: the eager and the compiled step both
+// e^x is batchgen's own (vec.h: a degree-6 polynomial after x = n ln2 + r, relative error ~2e-7, as in
+// the attention kernel), so its bits are not ATen's Sleef exp's: the eager and the compiled step both
 // call this op (the compiled step sees it as opaque), so a row's bits do not depend on which step it
 // ran in. Each element depends on its own gate and up alone, whatever the rows, threads or step.
 // Built on the machine that runs it (batchgen/kernels, -march=native).
@@ -20,39 +20,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec.h"
+
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int VL = 16;
-#elif defined(__AVX__)
-constexpr int VL = 8;
-#else
-constexpr int VL = 4;
-#endif
-typedef float vec __attribute__((vector_size(VL * sizeof(float))));
-typedef int32_t ivec __attribute__((vector_size(VL * sizeof(int32_t))));
-
-inline vec splat(float x) { return vec{} + x; }
-
-inline vec vexp(vec x) {  // e^x, x clamped to [-87, 88]; below -87 gives 0
-  const vec lo = splat(-87.f), hi = splat(88.f);
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  vec n = x * 1.44269504088896341f;
-  n = __builtin_convertvector(__builtin_convertvector(n + (n >= 0 ? splat(0.5f) : splat(-0.5f)), ivec), vec);
-  vec r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  vec p = splat(1.f / 720);
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
-  vec scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x <= lo ? splat(0.f) : p * scale;
-}
+using namespace batchgen_vec;  // VL, vec, splat, vexp (vec.h)
 
 // VL elements: gate g, up u (float32) -> y (the dtype), rounding as ATen's silu then mul do
 template <typename T>
