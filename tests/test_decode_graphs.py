@@ -91,6 +91,21 @@ def test_compiled_decode_step_gives_the_eager_tokens(tiny_model_dir, dtype, tmp_
     assert decode_graphs._estimated_compile_s("cpu", g.record) > 0
 
 
+def test_two_engines_in_one_process_never_share_a_compiled_bucket(tiny_model_dir, tmp_path, monkeypatch):
+    """A compiled bucket checks only the guards on its own buffers (bucket_guards), so each engine
+    compiles a code object of its own (own_code): a float32 engine's buckets, compiled first, must not
+    serve a bfloat16 engine's identical shapes (they would read its bf16 weights as float32)."""
+    monkeypatch.setenv("BATCHGEN_HOME", str(tmp_path))
+    _, first = generate(tiny_model_dir, "auto", "float32", compile="on")
+    ref, _ = generate(tiny_model_dir, "off", "bfloat16", compile="off")
+    got, second = generate(tiny_model_dir, "auto", "bfloat16", compile="on")
+    a, b = first.runner.graphs.compiled_step, second.runner.graphs.compiled_step
+    assert a._torchdynamo_orig_callable.__code__ is not b._torchdynamo_orig_callable.__code__
+    assert set(first.runner.graphs.buckets) & set(second.runner.graphs.buckets)  # the same shapes, compiled twice
+    assert all(st.compiled for st in second.runner.graphs.buckets.values())
+    assert {k: v for k, v in got.items() if int(k[1:]) % 2 == 0} == {k: v for k, v in ref.items() if int(k[1:]) % 2 == 0}
+
+
 def test_auto_compile_runs_eager_until_a_bucket_has_paid_for_its_compile(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHGEN_HOME", str(tmp_path))
     ref, _ = generate(tiny_model_dir, "off", compile="off")
