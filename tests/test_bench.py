@@ -147,6 +147,8 @@ def test_the_step_profiler_splits_each_phase_into_classes(tiny_model_dir):
     assert profile.classify("batchgen_attention::paged") == "attention"
     assert profile.classify("aten::argmax") == profile.classify("batchgen_sample::sample") == "sampling"
     assert profile.classify("aten::index_select") == "other ops"
+    assert all(profile.classify(k) == "fused elementwise" for k in ("batchgen_rmsnorm::rms_norm", "batchgen_rope::rope",
+                                                                   "batchgen_act::silu_mul"))
     assert profile.classify("batchgen_rmsnorm::rms_norm") == "fused elementwise"
     row = profile.profile_batch(tiny_model_dir, 2, decode_steps=3, compile_="off")
     assert set(row["phases"]) == {"prefill", "decode"}

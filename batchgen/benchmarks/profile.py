@@ -4,7 +4,7 @@ prefill steps and its decode steps apart. Each op's own time (self CPU time) is 
 - GEMM: the matmuls (batchgen's gemv, bgemm and low-bit kernels, oneDNN, int4, aten mm/addmm/linear);
 - attention: the paged attention (batchgen's C++ kernel, or the PyTorch path's ops inside it);
 - sampling: choosing tokens from logits (argmax, the fused sampler, top-k, softmax);
-- fused elementwise: batchgen's one-pass RMSNorm kernel, and the kernels Inductor generated for the
+- fused elementwise: batchgen's one-pass RMSNorm, RoPE and SwiGLU kernels, and the kernels Inductor generated for the
   compiled step (RoPE, KV writes), where the profiler sees them (under Inductor's C++ wrapper it does
   not: they fall in "host");
 - other ops: every other op: in the eager (prefill) steps, the norms, RoPE, activations, KV writes,
@@ -37,8 +37,8 @@ def classify(name: str) -> str:
         return "GEMM"
     if any(k in name for k in SAMPLING_NAMES):
         return "sampling"
-    if "batchgen_rmsnorm" in name:  # batchgen's one-pass RMSNorm: a fused kernel of its own
-        return "fused elementwise"
+    if any(k in name for k in ("batchgen_rmsnorm", "batchgen_rope", "batchgen_act")):  # batchgen's one-pass
+        return "fused elementwise"  # RMSNorm, RoPE and SwiGLU activation: fused kernels of their own
     if "CompiledFxGraph" in name or "Torch-Compiled" in name or name.startswith(("cpp_fused", "graph_")):
         return "fused elementwise"
     return "other ops"
