@@ -151,6 +151,7 @@ class Worker:
         self._engine_key: tuple | None = None
         self.attempts: dict[str, str | None] = {}  # run path -> this process's attempt file in it
         self._reuse: tuple[tuple, ReuseIndex] | None = None  # the index of the run's --reuse-from runs
+        self.pinned: dict[str, RunConfig] = {}  # run path -> its config with the weights it started with
 
     def reuse_index(self, cfg: RunConfig, run_path: str) -> ReuseIndex | None:
         """The request keys of the run's --reuse-from runs (built once per run in this process), or None."""
@@ -171,9 +172,12 @@ class Worker:
             self._reuse = None
 
     def load_engine(self, cfg: RunConfig, model_dir: Path, run: RunDir | None = None) -> Engine:
-        """The engine for `cfg`; in `run`, with the weights its first attempt took (weights_as_started)."""
+        """The engine for `cfg`; in `run`, with the weights its first attempt took (weights_as_started,
+        read once per run in this process: a worker's later shards keep what its first one took)."""
         if run is not None:
-            cfg = weights_as_started(cfg, run)
+            if str(run.path) not in self.pinned:
+                self.pinned[str(run.path)] = weights_as_started(cfg, run)
+            cfg = self.pinned[str(run.path)]
         key = (cfg.engine, str(model_dir), cfg.engine_config,
                json.dumps(cfg.engine_options, sort_keys=True, default=str), cfg.lora_adapters)
         if self.engine is None or key != self._engine_key:
@@ -215,7 +219,8 @@ def weights_as_started(cfg: RunConfig, run: RunDir) -> RunConfig:
         return cfg
     gguf = str(first.get("quantization") or "").startswith("gguf")
     pinned = replace(ec, quantization="gguf") if gguf else replace(ec, dtype=first["dtype"])
-    _say(f"resuming with the weights the run started with: {'the GGUF blocks' if gguf else first['dtype']}")
+    took = "the GGUF blocks" if gguf else first["dtype"]
+    _say(f"--dtype auto: the weights an earlier attempt of this run took: {took}")
     return replace(cfg, engine_config=pinned)
 
 
