@@ -84,6 +84,8 @@ def test_prompts_of_a_set_length_for_the_prefill_target(tiny_model_dir):
     head = x[:x.index(tok.encode("x")[0])]  # the template up to the message (a system prompt, the turn's start)
     assert all(p[:len(head)] == head and p[-3:] == x[-3:] for p in ids)  # ... and the assistant's turn last
     assert len({tuple(p[len(head):len(head) + 16]) for p in ids}) == 12  # messages that do not share a start
+    with pytest.raises(ValueError, match="the chat template alone takes"):
+        sized_prompt_ids(tok, 2, 3)
     results, conditions = run_bench(tiny_model_dir, ["native"], [2], ["greedy"], new_tokens=2, speculative_k=0,
                                     log=lambda *_: None, native_variants=("eager",), prompt_tokens=120)
     assert conditions["prompts"].startswith("chat prompts of 120 tokens") and "120 tokens" in format_bench(

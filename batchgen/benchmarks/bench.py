@@ -115,10 +115,13 @@ def held_prompt_ids(tok, n: int, length: int | None = None) -> list[list[int]]:
 
 
 def sized_prompt_ids(tok, n: int, length: int) -> list[list[int]]:
-    """n chat prompts of `length` tokens (one fewer where no cut encodes to it): prompt i's message is held instructions i, i+1, ...
-    joined by blank lines (so no two prompts share a prefix a cache could serve), cut to the tokens
-    that make the rendered chat `length` long. Real text of a set length: a prefill workload whose
-    FLOPs do not depend on which prompts came first."""
+    """n chat prompts of `length` tokens (one fewer where no cut encodes to it): prompt i's message is
+    held instructions i, i+1, ... joined by blank lines (so no two prompts share a prefix a cache could
+    serve), cut to the tokens that make the rendered chat `length` long. Real text of a set length: a
+    prefill workload whose FLOPs do not depend on which prompts came first."""
+    frame = len(chat_ids(tok, ["x"])[0])
+    if length <= frame:
+        raise ValueError(f"--prompt-tokens {length}: the chat template alone takes {frame} tokens; ask for more")
     texts = held_prompts(n + 8 + length // 16)
     out = []
     for i in range(n):

@@ -43,24 +43,6 @@ namespace {
 
 using namespace batchgen_vec;  // VL, vec, ivec, load, store, splat, vexp (vec.h)
 
-inline float hsum(vec v) {  // the lanes summed in one fixed order (a tree)
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-#elif defined(__AVX__) && !defined(__AVX512F__)
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-#endif
-  float t[VL];
-  store(t, v);
-  for (int w = VL / 2; w > 0; w /= 2)
-    for (int i = 0; i < w; ++i) t[i] += t[i + w];
-  return t[0];
-}
-
 inline float to_f(float x) { return x; }
 inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_f(c10::Half x) { return static_cast<float>(x); }
@@ -85,7 +67,7 @@ inline vec pairsum(vec x, vec y) {
 
 // VL vectors a[0..VL) -> one vector whose lane j is the sum of a[j]'s lanes, each by one fixed tree
 // (neighbouring lanes first, then neighbouring pairs, ...): VL horizontal sums in VL - 1 pairsums,
-// where one hsum a vector took about as many operations. A lane's sum involves only its own vector.
+// where a horizontal sum per vector took about as many operations. A lane's sum involves only its own vector.
 inline vec lane_sums(vec* a) {
   for (int n = VL; n > 1; n /= 2)
     for (int i = 0; i < n / 2; ++i) a[i] = pairsum(a[2 * i], a[2 * i + 1]);
