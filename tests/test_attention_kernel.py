@@ -1,7 +1,8 @@
 """batchgen's C++ paged attention (batchgen/kernels/attention.cpp) against the PyTorch path it replaces
 on CPU, on plans built by the model runner's own tile builder: decode, prefill and verify tiles,
 padding rows and pairs, sliding windows and soft caps, three dtypes. Then batch invariance, bit for
-bit: a query row's result is the same alone, among others, and on any number of threads. Then the
+bit: a query row's result is the same alone, among others, beside its group's other query heads, and
+on any number of threads. Then the
 engine: the same greedy tokens with either backend."""
 
 from types import SimpleNamespace
@@ -109,6 +110,25 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_threads(op):
     b = op(q.repeat(3, 1, 1, 1)[mixed.token_idx], k, v, mixed.q_pos, mixed.pair_tile, mixed.pair_blocks,
            mixed.pair_pos0, 0.125, 0, 0.0)
     assert torch.equal(a[lone.valid], b[:2][lone.valid])
+
+
+@pytest.mark.parametrize("case", ["decode", "prefill"])
+def test_a_query_head_folded_beside_its_group_gives_its_result_alone(op, case):
+    """A token's G query heads of a KV head are folded side by side (up to 4 at a time); each head's
+    result is bit for bit the one it gets alone: the same heads as G KV heads of one query head each
+    (the keys and values repeated per head), for G = 3 and G = 6 (folded 4 + 2)."""
+    chunks, width, keys = CASES[case]
+    g, T = plan(chunks, width, keys)
+    for groups in (3, 6):
+        gen = torch.Generator().manual_seed(groups)
+        q = torch.randn(T, 1, groups, D, generator=gen)[g.token_idx]
+        k = torch.randn(BLOCKS, 1, BS, D, generator=gen)
+        v = torch.randn(BLOCKS, 1, BS, D, generator=gen)
+        side = op(q, k, v, g.q_pos, g.pair_tile, g.pair_blocks, g.pair_pos0, 0.125, 0, 0.0)
+        shape = q.shape
+        alone = op(q.reshape(*shape[:2], groups, 1, D), k.expand(-1, groups, -1, -1), v.expand(-1, groups, -1, -1),
+                   g.q_pos, g.pair_tile, g.pair_blocks, g.pair_pos0, 0.125, 0, 0.0)
+        assert torch.equal(side, alone.reshape(shape))
 
 
 def test_padding_rows_are_skipped_and_read_no_block_past_the_prompt(op):
