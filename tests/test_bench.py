@@ -160,3 +160,25 @@ def test_the_step_profiler_splits_each_phase_into_classes(tiny_model_dir):
         assert abs(sum(phase["shares"].values()) - 1) < 1e-9
     assert row["phases"]["decode"]["shares"]["GEMM"] > 0 and row["phases"]["decode"]["shares"]["attention"] > 0
     assert "GEMM" in profile.format_rows([row])
+
+
+def test_the_targets_judge_each_engine_against_its_peer_in_the_same_dtype():
+    """targets() on figures made up for the purpose: vLLM through batchgen against vLLM's generate in
+    its own dtype (0.95x), the native engine against it (1.2x), batch 1 against llama.cpp (1.0x)."""
+    from batchgen.benchmarks.bench import Measurement, targets
+
+    def cell(engine, dtype, batch, tok_s, decode=None):
+        return Measurement(section="grid", engine=engine, dtype=dtype, batch=batch, mode="greedy", workload="held",
+                           speculative_k=0, prompts=batch, tokens=int(tok_s * 10), seconds=10.0,
+                           decode_tok_per_s=decode)
+
+    lines = "\n".join(targets([
+        cell("vllm-generate:fp32", "float32", 64, 100.0), cell("vllm-generate:bf16", "bfloat16", 64, 200.0),
+        cell("vllm", "float32", 64, 96.0), cell("vllm", "bfloat16", 64, 180.0),
+        cell("native:auto", "bfloat16", 64, 250.0), cell("native:compiled", "float32", 64, 110.0),
+        cell("llama.cpp", "Q4_1", 1, 90.0, decode=100.0), cell("native:auto", "float32", 1, 95.0, decode=105.0)]))
+    assert "batch 64 float32 greedy, batchgen --engine vllm / vLLM's generate: 0.96x (target 0.95x) met" in lines
+    assert "batch 64 bfloat16 greedy, batchgen --engine vllm / vLLM's generate: 0.90x (target 0.95x) MISSED" in lines
+    assert "batch 64 bfloat16 greedy, native:auto / vLLM's generate: 1.25x (target 1.2x) met" in lines
+    assert "batch 64 float32 greedy, native:compiled / vLLM's generate: 1.10x (target 1.2x) MISSED" in lines
+    assert "batch 1 decode, native:auto (float32) / llama.cpp Q4_1: 1.05x (target 1.0x) met" in lines
