@@ -298,24 +298,13 @@ static inline void halves(const uint16_t* h, float* f) {
   _Pragma("GCC unroll 8") for (int i = 0; i < N; ++i) f[i] = half(h[i]);
 }
 
-// a block's 16 possible Q4_1 weights d q + m (q = 0..15) as a vector, and the weights of QVL nibbles
-// (the low 4 bits of each lane). d q is exact in float32 (11 x 4 bits), so one fused d q + m is the
-// reference's rounding of d q + m: these are the model's weights exactly, as float32.
-// AVX-512: the 16 weights are one vector, and each lane's weight one permute from it (which reads
-// only the lane's low 4 bits: no mask, no conversion). Elsewhere: convert the nibbles, then d q + m.
+// the Q4_1 weights d q + m of QVL nibbles (the low 4 bits of each lane): d q is exact in float32
+// (11 x 4 bits), so one fused d q + m is the reference's rounding of d q + m: these are the model's
+// weights exactly, as float32. (AVX-512 runs Q4_1 its own way: q4_tile below.)
 struct Q4Weights {
-#if !defined(QPORTABLE) && QVL == 16
-  __m512 table;
-  Q4Weights(fvec d, fvec m) {
-    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    table = _mm512_fmadd_ps(q, (__m512)d, (__m512)m);
-  }
-  fvec of(ivec q) const { return (fvec)_mm512_permutexvar_ps((__m512i)q, table); }
-#else
   fvec d, m;
   Q4Weights(fvec d_, fvec m_) : d(d_), m(m_) {}
   fvec of(ivec q) const { return fma(__builtin_convertvector(q & 15, fvec), d, m); }
-#endif
 };
 
 // a block's scales (or offsets) for N side-by-side columns, each broadcast to a vector on demand
@@ -324,8 +313,8 @@ struct Scales {
   float f[N];
   explicit Scales(const uint16_t* h) { halves<N>(h, f); }
 #if !defined(QPORTABLE) && QVL == 16
-  fvec splat(int c) const {  // a broadcast load: work for a load port, none for the shuffle port, which
-    __m512 r;                // the weights' permutes keep busy (GCC would otherwise shuffle in registers)
+  fvec splat(int c) const {  // a broadcast load: work for a load port, none for the shuffle port
+    __m512 r;                // (GCC would otherwise shuffle in registers)
     asm("vbroadcastss %1, %0" : "=v"(r) : "m"(f[c]));
     return (fvec)r;
   }
@@ -403,8 +392,9 @@ static void cols(const float* x, int64_t ldx, int64_t M, int64_t KB, const uint8
 }
 
 #if !defined(QPORTABLE) && QVL == 16
-// AVX-512's Q4_1 path. Here a permute a vector (Q4Weights' table) cost as much as the rest of a
-// block's work together (measured on a Zen 4), so a block is multiplied without making its weights:
+// AVX-512's Q4_1 path. Making a block's weights here (a table of its 16 weights, one permute a vector)
+// cost as much as the rest of the block's work together (measured on a Zen 4), so a block is
+// multiplied without making its weights:
 //
 //   sum over the block of (d q + m) x  =  d (sum of q x) + m (sum of x)
 //
