@@ -2,8 +2,7 @@
 on CPU, on plans built by the model runner's own tile builder: decode, prefill and verify tiles,
 padding rows and pairs, sliding windows and soft caps, three dtypes. Then batch invariance, bit for
 bit: a query row's result is the same alone, among others, beside its group's other query heads, and
-on any number of threads. Then the
-engine: the same greedy tokens with either backend."""
+on any number of threads. Then the engine: the same greedy tokens with either backend."""
 
 from types import SimpleNamespace
 

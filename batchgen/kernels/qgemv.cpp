@@ -48,6 +48,7 @@ constexpr int64_t QK = 32;        // weights per block
 constexpr int64_t MC = 64;        // rows of x per task: they stay in cache while a task runs its columns
 constexpr int64_t G = 8;          // columns a group: their blocks interleaved, side by side; a task's columns
 constexpr int64_t PF = 16;        // blocks ahead that a tile prefetches (2 KB of Q4_1 quants)
+constexpr int64_t LAID = 1 << 17; // floats (512 KB) of laid-out x a task's rows take at most (AVX-512 Q4_1)
 
 // a kernel: rows [0, M) of x [M, K] (row stride ldx) times the first `ncols` columns of one group
 // (qs [K/32, G, block bytes], d and m [K/32, G]); y [M, ncols] (row stride ldy)
@@ -156,12 +157,12 @@ static at::Tensor run(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   if (q4 && chosen == 512) {  // AVX-512's Q4_1 tiles read x laid out for their lanes, 4 times its size
     using isa_avx512::XB;
     // laid out once, in parallel; then tasks as below, over chunks of whole panels whose laid-out x
-    // (about 512 KB) stays in L2 while a task runs its columns
+    // (at most LAID floats) stays in L2 while a task runs its columns
     auto laid = at::empty({M * KB * XB}, x.options());
     float* xl = laid.data_ptr<float>();
     const int64_t R = isa_avx512::PANEL, panels = M / R + M % R;
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { isa_avx512::lay_out_rows(xp, M, p0, p1, KB, xl); });
-    const int64_t most = std::max<int64_t>((int64_t{1} << 17) / (KB * XB) / R, 1) * R;
+    const int64_t most = std::max<int64_t>(LAID / (KB * XB) / R, 1) * R;
     const int64_t MB = (M + most - 1) / most, mc = ((M + MB - 1) / MB + R - 1) / R * R;  // chunks alike
     at::parallel_for(0, MB * NG, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
