@@ -76,6 +76,21 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(isas, kind):
             assert torch.equal(lin(x[max(0, i - 6):i + 1])[-1], full[i])
 
 
+def test_q4_1_gives_the_same_bits_on_avx2_as_on_avx512(isas):
+    """Both run a block as d (q . x) + m (sum of x) with the same operations in the same order per row
+    and column, 16 lanes or 8 a vector: a job's Q4_1 products do not depend on which of the two CPUs
+    it ran on (activations in float32's normal range, as a model's are)."""
+    if 512 not in isas:
+        pytest.skip("this CPU does not run AVX-512")
+    lin = random_blocks("Q4_1", 100, 1536, seed=7)
+    for rows in (1, 2, 5, 64):
+        x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))
+        lin.isa = 512
+        wide = lin(x)
+        lin.isa = 2
+        assert torch.equal(lin(x), wide)
+
+
 def test_bad_shapes_and_instruction_sets_are_refused(isas):
     lin = random_blocks("Q4_1", 16, 64, seed=1)
     with pytest.raises(RuntimeError, match="is not the weight's K"):

@@ -19,9 +19,9 @@
 // memory, and at prefill's many rows a block's unpacking is shared by QR rows. The product is the
 // float32 model's (the dequantized weights' product), summed in this kernel's order; every row's sum
 // runs in the same order whatever the number of rows, the rows beside it or the threads: a row's
-// result does not depend on its batch. AVX-512's Q4_1 path sums each block as d (q . x) + m (sum of
-// x) instead (the same weights' product, associated per block; see lay_out), where making a block's
-// weights cost more than multiplying them.
+// result does not depend on its batch. The AVX-512 and AVX2 Q4_1 paths sum each block as d (q . x) +
+// m (sum of x) instead (the same weights' product, associated per block; see lay_out), where making a
+// block's weights cost more than multiplying them; the two give the same bits.
 //
 // The vector code is written once (the #else branch below) and compiled twice into this library,
 // for AVX-512 and for AVX2 (+FMA, F16C), and the one to run is chosen at run time from the CPU's
@@ -48,7 +48,7 @@ constexpr int64_t QK = 32;        // weights per block
 constexpr int64_t MC = 64;        // rows of x per task: they stay in cache while a task runs its columns
 constexpr int64_t G = 8;          // columns a group: their blocks interleaved, side by side; a task's columns
 constexpr int64_t PF = 16;        // blocks ahead that a tile prefetches (2 KB of Q4_1 quants)
-constexpr int64_t LAID = 1 << 17; // floats (512 KB) of laid-out x a task's rows take at most (AVX-512 Q4_1)
+constexpr int64_t LAID = 1 << 17; // floats (512 KB) of laid-out x a task's rows take at most (Q4_1 on AVX-512, AVX2)
 
 // a kernel: rows [0, M) of x [M, K] (row stride ldx) times the first `ncols` columns of one group
 // (qs [K/32, G, block bytes], d and m [K/32, G]); y [M, ncols] (row stride ldy)
@@ -124,6 +124,32 @@ static Kernel pick(int isa, bool q4) {
   return q4 ? isa_portable::q4_1_cols : isa_portable::q8_0_cols;
 }
 
+// The vector builds' Q4_1 tiles read x laid out for their lanes (lay_out below): laid out once, in
+// parallel; then tasks as in `run`, over chunks of whole panels whose laid-out x (at most LAID floats)
+// stays in cache while a task runs its columns
+using LayOut = void (*)(const float* x, int64_t M, int64_t p0, int64_t p1, int64_t KB, float* xe);
+
+static at::Tensor run_laid(LayOut lay_out_rows, int64_t XB, int64_t R, Kernel kernel, const float* xp, int64_t M,
+                           int64_t KB, int64_t NG, const uint8_t* qp, const uint16_t* dp, const uint16_t* mp, int64_t n,
+                           float* yp, at::Tensor y) {
+  constexpr int64_t BB = QK / 2;
+  auto laid = at::empty({M * KB * XB}, y.options());
+  float* xl = laid.data_ptr<float>();
+  const int64_t panels = M / R + M % R;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { lay_out_rows(xp, M, p0, p1, KB, xl); });
+  const int64_t most = std::max<int64_t>(LAID / (KB * XB) / R, 1) * R;
+  const int64_t MB = (M + most - 1) / most, mc = ((M + MB - 1) / MB + R - 1) / R * R;  // chunks alike
+  at::parallel_for(0, MB * NG, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t mb = t / NG, g = t % NG;
+      const int64_t r0 = mb * mc, rows = std::min(mc, M - r0);
+      kernel(xl + r0 * KB * XB, 0, rows, KB, qp + g * KB * G * BB, dp + g * KB * G, mp + g * KB * G,
+             std::min(G, n - g * G), yp + r0 * n + g * G, n);
+    }
+  });
+  return y;
+}
+
 static at::Tensor run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m,
                       int64_t n, int64_t isa) {
   const bool q4 = m.has_value();
@@ -154,26 +180,10 @@ static at::Tensor run(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   const uint16_t* mp = q4 ? reinterpret_cast<const uint16_t*>(m->data_ptr<at::Half>()) : nullptr;
   float* yp = y.data_ptr<float>();
 #ifdef BATCHGEN_X86
-  if (q4 && chosen == 512) {  // AVX-512's Q4_1 tiles read x laid out for their lanes, 4 times its size
-    using isa_avx512::XB;
-    // laid out once, in parallel; then tasks as below, over chunks of whole panels whose laid-out x
-    // (at most LAID floats) stays in L2 while a task runs its columns
-    auto laid = at::empty({M * KB * XB}, x.options());
-    float* xl = laid.data_ptr<float>();
-    const int64_t R = isa_avx512::PANEL, panels = M / R + M % R;
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { isa_avx512::lay_out_rows(xp, M, p0, p1, KB, xl); });
-    const int64_t most = std::max<int64_t>(LAID / (KB * XB) / R, 1) * R;
-    const int64_t MB = (M + most - 1) / most, mc = ((M + MB - 1) / MB + R - 1) / R * R;  // chunks alike
-    at::parallel_for(0, MB * NG, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t mb = t / NG, g = t % NG;
-        const int64_t r0 = mb * mc, rows = std::min(mc, M - r0);
-        kernel(xl + r0 * KB * XB, 0, rows, KB, qp + g * KB * G * BB, dp + g * KB * G, mp + g * KB * G,
-               std::min(G, n - g * G), yp + r0 * n + g * G, n);
-      }
-    });
-    return y;
-  }
+  if (q4 && chosen == 512) return run_laid(isa_avx512::lay_out_rows, isa_avx512::XB, isa_avx512::PANEL, kernel, xp, M, KB,
+                                           NG, qp, dp, mp, n, yp, y);
+  if (q4 && chosen == 2) return run_laid(isa_avx2::lay_out_rows, isa_avx2::XB, isa_avx2::PANEL, kernel, xp, M, KB, NG,
+                                         qp, dp, mp, n, yp, y);
 #endif
   // tasks are (chunk of MC rows, group of G columns), groups fastest: at decode's few rows the threads
   // split the groups, each streaming its own contiguous part of the weights
@@ -301,7 +311,7 @@ static inline void halves(const uint16_t* h, float* f) {
 
 // the Q4_1 weights d q + m of QVL nibbles (the low 4 bits of each lane): d q is exact in float32
 // (11 x 4 bits), so one fused d q + m is the reference's rounding of d q + m: these are the model's
-// weights exactly, as float32. (AVX-512 runs Q4_1 its own way: q4_tile below.)
+// weights exactly, as float32. (AVX-512 and AVX2 run Q4_1 their own way: q4_tile below.)
 struct Q4Weights {
   fvec d, m;
   Q4Weights(fvec d_, fvec m_) : d(d_), m(m_) {}
@@ -506,6 +516,118 @@ void q4_1_cols(const float* xe, int64_t, int64_t M, int64_t KB, const uint8_t* q
   int64_t r = 0;
   for (; r + PANEL <= M; r += PANEL) q4_tile<PANEL>(xe + r * KB * XB, KB, qs, d, m, y + r * ldy, ldy, ncols);
   for (; r < M; ++r) q4_tile<1>(xe + r * KB * XB, KB, qs, d, m, y + r * ldy, 1, ncols);
+}
+#elif !defined(QPORTABLE) && QVL == 8
+// AVX2's Q4_1 path: AVX-512's scheme above (d (q . x) + m (sum of x), nibbles read in place) on 8
+// lanes. The 8 columns' blocks are four 32-byte vectors of 2 columns each: 32-bit lane l of one holds
+// bytes 4 (l % 4) .. 4 (l % 4) + 3 of its column l / 4, so its nibble j is again the q of weight
+// 4 (l % 4) + j / 2 (+ 16 for an odd j), and the x it needs depends on l % 4 only: x is laid out as
+// 4 floats a nibble (x's own size), broadcast to both halves by the load. There is no unsigned
+// conversion: nibble 7 (bits 28-31) is shifted down and read as q, times x itself, where the others
+// are q 2^4j times x 2^-4j (the same exact product). With 16 registers a tile takes 8 columns of a
+// lone row, or 4 columns of a panel of 2 rows; each (row, column) pair runs the same operations in
+// the same order in both (and as AVX-512 runs them), so a row's result does not depend on the rows
+// beside it.
+
+constexpr int64_t XB = 8 * 4 + 1;  // floats of laid-out x a row and block: 8 nibbles x 4 lanes, and a sum
+constexpr int64_t PANEL = 2;        // rows laid out together, for a tile of as many rows
+
+// P rows of x (row stride ldx) -> a panel: xe[b][j][p][i] = x[p][32 b + 4 i + j / 2 + 16 (j % 2)] 2^-4j
+// (j < 7; 1 for j = 7), then the block sums s[b][p], each in AVX-512's fixed tree
+void lay_out(const float* x, int64_t ldx, int64_t P, int64_t KB, float* xe) {
+  float* sums = xe + KB * 32 * P;
+  for (int64_t b = 0; b < KB; ++b)
+    for (int64_t p = 0; p < P; ++p) {
+      const float* xb = x + p * ldx + b * QK;
+      _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {  // h: the low (even j) or high (odd j) 16 weights
+        __m128 r0 = _mm_loadu_ps(xb + 16 * h), r1 = _mm_loadu_ps(xb + 16 * h + 4),
+               r2 = _mm_loadu_ps(xb + 16 * h + 8), r3 = _mm_loadu_ps(xb + 16 * h + 12);
+        _MM_TRANSPOSE4_PS(r0, r1, r2, r3);  // r_t = x[16 h + t + 4 i], i = 0..3
+        const __m128 rt[4] = {r0, r1, r2, r3};
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) {
+          const int j = 2 * t + h;
+          _mm_storeu_ps(xe + ((b * 8 + j) * P + p) * 4,
+                        _mm_mul_ps(rt[t], _mm_set1_ps(j == 7 ? 1.f : 1.f / float(1u << (4 * j)))));
+        }
+      }
+      float a[16];
+      _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i) a[i] = xb[i] + xb[16 + i];
+      _Pragma("GCC unroll 4") for (int w = 8; w > 0; w /= 2)
+        _Pragma("GCC unroll 8") for (int i = 0; i < w; ++i) a[i] += a[i + w];
+      sums[b * P + p] = a[0];
+    }
+}
+
+void lay_out_rows(const float* x, int64_t M, int64_t p0, int64_t p1, int64_t KB, float* xe) {
+  const int64_t full = M / PANEL;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t r = p < full ? p * PANEL : full * PANEL + (p - full);
+    lay_out(x + r * KB * QK, KB * QK, p < full ? PANEL : 1, KB, xe + r * KB * XB);
+  }
+}
+
+// A panel of R rows times V column pairs of the group, from column 2 v0: out [R, 2 V] (row stride
+// ldo), of which the columns before ncols (counted from the tile's first) are written
+template <int R, int V>
+static inline void q4_tile(const float* __restrict__ xe, int64_t KB, const uint8_t* __restrict__ qs,
+                           const uint16_t* __restrict__ d, const uint16_t* __restrict__ m, int v0,
+                           float* __restrict__ out, int64_t ldo, int64_t ncols) {
+  __m256 acc[R][V];  // d (q . x): 4 lanes a column, 2 columns a vector
+  __m256 macc[R];    // m (sum of x), the group's 8 columns
+  _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {
+    macc[r] = _mm256_setzero_ps();
+    _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+  }
+  const float* sums = xe + KB * 32 * R;
+  for (int64_t b = 0; b < KB; ++b) {
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b * G)));
+    const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b * G)));
+    const float* xb = xe + b * 32 * R;
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
+      macc[r] = _mm256_fmadd_ps(m8, _mm256_broadcast_ss(sums + b * R + r), macc[r]);
+    _mm_prefetch(reinterpret_cast<const char*>(qs + (b + PF) * G * 16), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(qs + (b + PF) * G * 16 + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(d + (b + PF) * G), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(m + (b + PF) * G), _MM_HINT_T0);
+    const __m256i* qv = reinterpret_cast<const __m256i*>(qs + b * G * 16) + v0;
+    __m256 part[R][V];  // q . x of the block
+    _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
+      __m256 xv[R];
+      _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
+        xv[r] = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xb + (j * R + r) * 4));
+      _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) {
+        const __m256i raw = _mm256_loadu_si256(qv + v);
+        const __m256 q = _mm256_cvtepi32_ps(j == 7 ? _mm256_srli_epi32(raw, 28)  // q; the others q 2^4j, exact
+                                                   : _mm256_and_si256(raw, _mm256_set1_epi32(int(0xFu << (4 * j)))));
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
+          part[r][v] = j == 0 ? _mm256_mul_ps(q, xv[r]) : _mm256_fmadd_ps(q, xv[r], part[r][v]);
+      }
+    }
+    _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) {  // lanes 0-3 <- column 2 (v0 + v)'s d, 4-7 <- the next's
+      const __m256 dv = _mm256_permutevar8x32_ps(d8, _mm256_setr_epi32(2 * (v0 + v), 2 * (v0 + v), 2 * (v0 + v),
+                                                                        2 * (v0 + v), 2 * (v0 + v) + 1, 2 * (v0 + v) + 1,
+                                                                        2 * (v0 + v) + 1, 2 * (v0 + v) + 1));
+      _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(dv, part[r][v], acc[r][v]);
+    }
+  }
+  _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {
+    float mo[8], a[8 * V];
+    _mm256_storeu_ps(mo, macc[r]);
+    _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) _mm256_storeu_ps(a + 8 * v, acc[r][v]);
+    for (int64_t c = 0; c < std::min<int64_t>(ncols, 2 * V); ++c)  // as AVX-512's: 4 lanes in a fixed tree, then m
+      out[r * ldo + c] = ((a[4 * c] + a[4 * c + 2]) + (a[4 * c + 1] + a[4 * c + 3])) + mo[2 * v0 + c];
+  }
+}
+
+// M rows of laid-out x times the group's first ncols columns: a panel's 2 rows 4 columns at a time,
+// then the lone rows 8 columns at a time
+void q4_1_cols(const float* xe, int64_t, int64_t M, int64_t KB, const uint8_t* qs, const uint16_t* d,
+               const uint16_t* m, int64_t ncols, float* y, int64_t ldy) {
+  int64_t r = 0;
+  for (; r + PANEL <= M; r += PANEL)
+    for (int h = 0; h < 2 && 4 * h < ncols; ++h)
+      q4_tile<PANEL, 2>(xe + r * KB * XB, KB, qs, d, m, 2 * h, y + r * ldy + 4 * h, ldy, ncols - 4 * h);
+  for (; r < M; ++r) q4_tile<1, 4>(xe + r * KB * XB, KB, qs, d, m, 0, y + r * ldy, 1, ncols);
 }
 #else
 void q4_1_cols(const float* x, int64_t ldx, int64_t M, int64_t KB, const uint8_t* qs, const uint16_t* d,
