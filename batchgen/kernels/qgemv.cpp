@@ -402,45 +402,55 @@ static void cols(const float* x, int64_t ldx, int64_t M, int64_t KB, const uint8
   }
 }
 
-#if !defined(QPORTABLE) && QVL == 16
-// AVX-512's Q4_1 path. Making a block's weights here (a table of its 16 weights, one permute a vector)
-// cost as much as the rest of the block's work together (measured on a Zen 4), so a block is
-// multiplied without making its weights:
+#if !defined(QPORTABLE)
+// The vector builds' Q4_1 path. Making a block's weights (AVX-512: a table of its 16 weights, one
+// permute a vector) cost as much as the rest of the block's work together (measured on a Zen 4), so a
+// block is multiplied without making its weights:
 //
 //   sum over the block of (d q + m) x  =  d (sum of q x) + m (sum of x)
 //
 // the same weights' product, associated per block; the sum of x is the row's own, made once a call.
-// The 8 columns' blocks (8 x 16 bytes, as stored) are two 64-byte vectors of 4 columns each: 32-bit
-// lane l of one holds bytes 4 (l % 4) .. 4 (l % 4) + 3 of column l / 4's block, so its nibble j (bits
-// 4j .. 4j + 3) is the q of weight 4 (l % 4) + j / 2 (+ 16 for an odd j). The nibble is read in place,
-// one mask and one conversion: q 2^4j, exact in float32 (4 significant bits), times x 2^-4j, which
-// `lay_out` makes once a call in the lanes' order (4 times x's size); so each q x is rounded once, as
-// each w x is (x 2^-4j is exact for |x| >= 2^-98: a smaller x is rounded as a subnormal). A block
-// then costs 2 operations per 16 weights (shared by a panel's rows) and one multiply-add per row and
-// 16 weights. Each column is summed in its 4 lanes by the same operations in every tile, then in one
-// fixed tree: a row's result does not depend on the rows beside it. Measured on a Zen 4 against the
-// table, single-threaded with the weights in cache: decode's one row 1.8x, prefill's rows 1.2-1.9x.
+// The 8 columns' blocks (8 x 16 bytes, as stored) are 32-byte (AVX2) or 64-byte (AVX-512) vectors of
+// 2 or 4 columns: 32-bit lane l of one holds bytes 4 (l % 4) .. 4 (l % 4) + 3 of its column l / 4's
+// block, so its nibble j (bits 4j .. 4j + 3) is the q of weight 4 (l % 4) + j / 2 (+ 16 for an odd j),
+// and the x it needs depends on l % 4 only. The nibble is read in place, one mask and one conversion:
+// q 2^4j, exact in float32 (4 significant bits), times x 2^-4j, which `lay_out` makes once a call, 4
+// floats a nibble (x's own size), and the tile's load broadcasts to every column of the vector. So
+// each q x is rounded once, as each w x is (x 2^-4j is exact for |x| >= 2^-98: a smaller x is rounded
+// as a subnormal). Nibble 7 (bits 28-31) would convert as a negative int32, and there is no unsigned
+// conversion on AVX2: it is shifted down and read as q, against x itself (the same exact product). A
+// block then costs 2 operations per lane of weights (shared by a panel's rows) and one multiply-add
+// per row and lane. Each column is summed in its 4 lanes by the same operations in every tile, on
+// either instruction set, then in one fixed tree: a row's result does not depend on the rows beside
+// it, nor on which of the two ran it (tested). Measured on a Zen 4 against the table, one row, weights
+// in cache, one thread: 1.8x; from memory, two threads: 1.2x (docs/speed.md).
 
-constexpr int64_t XB = 8 * 16 + 1;  // floats of laid-out x a row and block: 8 nibbles x 16 lanes, and a sum
-constexpr int64_t PANEL = 4;         // rows laid out together, for a tile of as many rows
+constexpr int64_t XB = 8 * 4 + 1;       // floats of laid-out x a row and block: 8 nibbles x 4 lanes, and a sum
+constexpr int64_t PANEL = QVL == 16 ? 4 : 2;  // rows laid out together, for a tile of as many rows
 
-// P rows of x (row stride ldx) -> a panel: xe[b][j][p][l] = x[p][32 b + 4 (l % 4) + j / 2 + 16 (j % 2)]
-// 2^-4j for the K/32 blocks b, then the block sums s[b][p] = the sum of x[p][32 b .. 32 b + 31], each in
-// one fixed tree. A tile reads its rows' vectors at fixed offsets from one pointer.
+// P rows of x (row stride ldx) -> a panel: xe[b][j][p][i] = x[p][32 b + 4 i + j / 2 + 16 (j % 2)] 2^-4j
+// (j < 7; 1 for j = 7), then the block sums s[b][p], each in one fixed tree (halves added)
 void lay_out(const float* x, int64_t ldx, int64_t P, int64_t KB, float* xe) {
-  __m512i idx[4];
-  _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i)
-    idx[i] = _mm512_setr_epi32(i, 4 + i, 8 + i, 12 + i, i, 4 + i, 8 + i, 12 + i, i, 4 + i, 8 + i, 12 + i, i, 4 + i,
-                               8 + i, 12 + i);
-  float* sums = xe + KB * 128 * P;
+  float* sums = xe + KB * 32 * P;
   for (int64_t b = 0; b < KB; ++b)
     for (int64_t p = 0; p < P; ++p) {
-      const __m512 lo = _mm512_loadu_ps(x + p * ldx + b * QK), hi = _mm512_loadu_ps(x + p * ldx + b * QK + 16);
-      _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j)  // x 2^-4j: nibble j is read in place, as q 2^4j
-        _mm512_storeu_ps(xe + ((b * 8 + j) * P + p) * 16,
-                         _mm512_mul_ps(_mm512_permutexvar_ps(idx[j / 2], j % 2 ? hi : lo),
-                                       _mm512_set1_ps(1.f / float(1u << (4 * j)))));
-      sums[b * P + p] = hsum((fvec)_mm512_add_ps(lo, hi));
+      const float* xb = x + p * ldx + b * QK;
+      _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {  // h: the low (even j) or high (odd j) 16 weights
+        __m128 r0 = _mm_loadu_ps(xb + 16 * h), r1 = _mm_loadu_ps(xb + 16 * h + 4),
+               r2 = _mm_loadu_ps(xb + 16 * h + 8), r3 = _mm_loadu_ps(xb + 16 * h + 12);
+        _MM_TRANSPOSE4_PS(r0, r1, r2, r3);  // r_t = x[16 h + t + 4 i], i = 0..3
+        const __m128 rt[4] = {r0, r1, r2, r3};
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) {
+          const int j = 2 * t + h;
+          _mm_storeu_ps(xe + ((b * 8 + j) * P + p) * 4,
+                        _mm_mul_ps(rt[t], _mm_set1_ps(j == 7 ? 1.f : 1.f / float(1u << (4 * j)))));
+        }
+      }
+      float a[16];
+      _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i) a[i] = xb[i] + xb[16 + i];
+      _Pragma("GCC unroll 4") for (int w = 8; w > 0; w /= 2)
+        _Pragma("GCC unroll 8") for (int i = 0; i < w; ++i) a[i] += a[i + w];
+      sums[b * P + p] = a[0];
     }
 }
 
@@ -454,6 +464,7 @@ void lay_out_rows(const float* x, int64_t M, int64_t p0, int64_t p1, int64_t KB,
   }
 }
 
+#if QVL == 16
 // A panel of R rows times the group's 8 columns: out [R, 8] (row stride ldo), of which the columns
 // before ncols are written
 template <int R>
@@ -469,11 +480,11 @@ static inline void q4_tile(const float* __restrict__ xe, int64_t KB, const uint8
   const __m512i spread[2] = {  // lane l <- the scale of column l / 4, or 4 + l / 4
       _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
       _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7)};
-  const float* sums = xe + KB * 128 * R;
+  const float* sums = xe + KB * 32 * R;
   for (int64_t b = 0; b < KB; ++b) {
     const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b * G)));
     const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b * G)));
-    const float* xb = xe + b * 128 * R;
+    const float* xb = xe + b * 32 * R;
     _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
       macc[r] = _mm256_fmadd_ps(m8, _mm256_broadcast_ss(sums + b * R + r), macc[r]);
     // the group's blocks PF ahead (past its end, the next group's: they are contiguous), so that a
@@ -485,11 +496,12 @@ static inline void q4_tile(const float* __restrict__ xe, int64_t KB, const uint8
     const __m512i qv[2] = {_mm512_loadu_si512(qs + b * G * 16), _mm512_loadu_si512(qs + b * G * 16 + 64)};
     __m512 part[R][2];  // q . x of the block
     _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
-      __m512 q[2];  // q 2^4j, exact (4 significant bits)
-      _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h)
-        q[h] = _mm512_cvtepu32_ps(_mm512_and_si512(qv[h], _mm512_set1_epi32(int(0xFu << (4 * j)))));
+      __m512 q[2];
+      _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h)  // q 2^4j, exact (4 significant bits); nibble 7: q
+        q[h] = _mm512_cvtepi32_ps(j == 7 ? _mm512_srli_epi32(qv[h], 28)
+                                         : _mm512_and_si512(qv[h], _mm512_set1_epi32(int(0xFu << (4 * j)))));
       _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_loadu_ps(xb + (j * R + r) * 16);  // one load, both halves
+        const __m512 xv = _mm512_broadcast_f32x4(_mm_loadu_ps(xb + (j * R + r) * 4));  // a load, to 4 columns
         _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h)
           part[r][h] = j == 0 ? _mm512_mul_ps(q[h], xv) : _mm512_fmadd_ps(q[h], xv, part[r][h]);
       }
@@ -517,54 +529,8 @@ void q4_1_cols(const float* xe, int64_t, int64_t M, int64_t KB, const uint8_t* q
   for (; r + PANEL <= M; r += PANEL) q4_tile<PANEL>(xe + r * KB * XB, KB, qs, d, m, y + r * ldy, ldy, ncols);
   for (; r < M; ++r) q4_tile<1>(xe + r * KB * XB, KB, qs, d, m, y + r * ldy, 1, ncols);
 }
-#elif !defined(QPORTABLE) && QVL == 8
-// AVX2's Q4_1 path: AVX-512's scheme above (d (q . x) + m (sum of x), nibbles read in place) on 8
-// lanes. The 8 columns' blocks are four 32-byte vectors of 2 columns each: 32-bit lane l of one holds
-// bytes 4 (l % 4) .. 4 (l % 4) + 3 of its column l / 4, so its nibble j is again the q of weight
-// 4 (l % 4) + j / 2 (+ 16 for an odd j), and the x it needs depends on l % 4 only: x is laid out as
-// 4 floats a nibble (x's own size), broadcast to both halves by the load. There is no unsigned
-// conversion: nibble 7 (bits 28-31) is shifted down and read as q, times x itself, where the others
-// are q 2^4j times x 2^-4j (the same exact product). With 16 registers a tile takes 8 columns of a
-// lone row, or 4 columns of a panel of 2 rows; each (row, column) pair runs the same operations in
-// the same order in both (and as AVX-512 runs them), so a row's result does not depend on the rows
-// beside it.
-
-constexpr int64_t XB = 8 * 4 + 1;  // floats of laid-out x a row and block: 8 nibbles x 4 lanes, and a sum
-constexpr int64_t PANEL = 2;        // rows laid out together, for a tile of as many rows
-
-// P rows of x (row stride ldx) -> a panel: xe[b][j][p][i] = x[p][32 b + 4 i + j / 2 + 16 (j % 2)] 2^-4j
-// (j < 7; 1 for j = 7), then the block sums s[b][p], each in AVX-512's fixed tree
-void lay_out(const float* x, int64_t ldx, int64_t P, int64_t KB, float* xe) {
-  float* sums = xe + KB * 32 * P;
-  for (int64_t b = 0; b < KB; ++b)
-    for (int64_t p = 0; p < P; ++p) {
-      const float* xb = x + p * ldx + b * QK;
-      _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {  // h: the low (even j) or high (odd j) 16 weights
-        __m128 r0 = _mm_loadu_ps(xb + 16 * h), r1 = _mm_loadu_ps(xb + 16 * h + 4),
-               r2 = _mm_loadu_ps(xb + 16 * h + 8), r3 = _mm_loadu_ps(xb + 16 * h + 12);
-        _MM_TRANSPOSE4_PS(r0, r1, r2, r3);  // r_t = x[16 h + t + 4 i], i = 0..3
-        const __m128 rt[4] = {r0, r1, r2, r3};
-        _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) {
-          const int j = 2 * t + h;
-          _mm_storeu_ps(xe + ((b * 8 + j) * P + p) * 4,
-                        _mm_mul_ps(rt[t], _mm_set1_ps(j == 7 ? 1.f : 1.f / float(1u << (4 * j)))));
-        }
-      }
-      float a[16];
-      _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i) a[i] = xb[i] + xb[16 + i];
-      _Pragma("GCC unroll 4") for (int w = 8; w > 0; w /= 2)
-        _Pragma("GCC unroll 8") for (int i = 0; i < w; ++i) a[i] += a[i + w];
-      sums[b * P + p] = a[0];
-    }
-}
-
-void lay_out_rows(const float* x, int64_t M, int64_t p0, int64_t p1, int64_t KB, float* xe) {
-  const int64_t full = M / PANEL;
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t r = p < full ? p * PANEL : full * PANEL + (p - full);
-    lay_out(x + r * KB * QK, KB * QK, p < full ? PANEL : 1, KB, xe + r * KB * XB);
-  }
-}
+#else
+// AVX2: with 16 registers a tile takes 8 columns of a lone row, or 4 columns of a panel of 2 rows
 
 // A panel of R rows times V column pairs of the group, from column 2 v0: out [R, 2 V] (row stride
 // ldo), of which the columns before ncols (counted from the tile's first) are written
@@ -629,6 +595,7 @@ void q4_1_cols(const float* xe, int64_t, int64_t M, int64_t KB, const uint8_t* q
       q4_tile<PANEL, 2>(xe + r * KB * XB, KB, qs, d, m, 2 * h, y + r * ldy + 4 * h, ldy, ncols - 4 * h);
   for (; r < M; ++r) q4_tile<1, 4>(xe + r * KB * XB, KB, qs, d, m, 0, y + r * ldy, 1, ncols);
 }
+#endif
 #else
 void q4_1_cols(const float* x, int64_t ldx, int64_t M, int64_t KB, const uint8_t* qs, const uint16_t* d,
                const uint16_t* m, int64_t ncols, float* y, int64_t ldy) {
