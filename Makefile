@@ -30,8 +30,9 @@ model: setup
 demo: model
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m flows.pipeline --config configs/cpu-demo.yaml
 
+# --durations: CI's log lists the slowest tests, to keep the whole run inside its 30 minutes
 test: model
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 
 # the inner loop: no real-model end-to-end runs, no vLLM / Prefect server / Ray start-ups
 test-fast: model
