@@ -2,12 +2,14 @@
 variant's engine is built (and its step compiled) first, then the variants are measured in turn,
 `--repeats` times, and the median kept, so a shared machine's drift falls on all of them.
 
-    python -m batchgen.benchmarks.step_ab --batch 1 --quantization gguf --variants torch/0,cpu/0,cpu/1
+    python -m batchgen.benchmarks.step_ab --batch 1 --quantization gguf --variants torch/0,cpu/0,cpu/1s
     python -m batchgen.benchmarks.step_ab --batch 64 --dtype bfloat16
 
-A variant is BACKEND/CPP_WRAPPER: the attention backend (torch, cpu) and 1 or 0 for Inductor's
-cpp_wrapper on the compiled step. Prints tok/s with prefill, decode-only and prefill tok/s, and
-whether each variant's greedy tokens are the first variant's.
+A variant is BACKEND/CPP_WRAPPER: the attention backend (torch, cpu) and, for the compiled step's
+wrapper, 0 (Python), 1 (C++, one file with the kernels, all at -O3) or 1s (C++, the wrapper at -O1
+apart from the kernels: Inductor's cpp_wrapper_build_separate, the engine's default). Prints tok/s
+with prefill, decode-only and prefill tok/s, and whether each variant's greedy tokens are the first
+variant's.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default="none")
-    p.add_argument("--variants", default="torch/0,cpu/0,cpu/1")
+    p.add_argument("--variants", default="torch/0,cpu/0,cpu/1s")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--model", default="smollm2-135m")
@@ -50,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         e = create_engine("native", model, cfg)
         g = e.runner.graphs  # its buckets compile on first use: rebuilt here with this variant's options
         e.runner.graphs = DecodeGraphs(g.model, g.kv, g.attention, g.scratch, g.device, g.mode, 0.0,
-                                       step_options={**STEP_OPTIONS, "cpp_wrapper": wrapper == "1"})
+                                       step_options={**STEP_OPTIONS, "cpp_wrapper": wrapper in ("1", "1s"),
+                                                     "cpp_wrapper_build_separate": wrapper == "1s"})
         t0 = time.perf_counter()
         bench.run_engine(e, ids, a.batch, SamplingParams(max_tokens=16, ignore_eos=True), None, "warm")
         print(f"  {variant}: warm-up (compiles) {time.perf_counter() - t0:.1f} s", flush=True)

@@ -53,6 +53,11 @@ UNMEASURED_COMPILE_S = 30.0  # the compile cost assumed before one has been meas
 # shapes and strides Dynamo's guards already check before the compiled code runs. cpp_wrapper: the
 # wrapper that calls the step's kernels is C++ too, not Python (2026-12-03, 2-core Xeon with AMX, median of 3,
 # interleaved: batch 1 on the GGUF blocks 147 -> 157 decode tok/s; batch 64 bf16 1456 -> 1540).
+# cpp_wrapper_build_separate: that wrapper (some 5,500 lines of kernel calls for SmolLM2's 30 layers) is
+# compiled at -O1 apart from the kernels (-O3), instead of all at -O3 in one file: a bucket's compile on
+# a cold cache 93 -> 38 s at batch 1 (GGUF blocks) and 93 -> 45 s at batch 64 (bf16), with the same
+# tokens and the same speed (decode 177 -> 183 and 975 -> 969 tok/s; 2026-12-04, 2-core Zen 4,
+# `python -m batchgen.benchmarks.step_ab --variants cpu/1s,cpu/1`, median of 5 and 3).
 
 
 def bucket_guards(entries) -> list[bool]:
@@ -76,7 +81,8 @@ def own_code(method):
 
 
 STEP_OPTIONS = MappingProxyType({"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False,
-                                 "cpp_wrapper": True, "guard_filter_fn": bucket_guards})
+                                 "cpp_wrapper": True, "cpp_wrapper_build_separate": True,
+                                 "guard_filter_fn": bucket_guards})
 
 
 def bucket(n: int) -> int:
