@@ -464,6 +464,24 @@ void lay_out_rows(const float* x, int64_t M, int64_t p0, int64_t p1, int64_t KB,
   }
 }
 
+// A tile's start of block b, on either instruction set: the group's 8 scales d (returned), m (sum of x)
+// added for the panel's R rows (macc: 8 columns a row), and the group's blocks PF ahead prefetched
+// (past its end, the next group's: they are contiguous), so that a call's streams are in flight from
+// its start (measured: 1.1x a model's Q4_1 matmuls from memory)
+template <int R>
+static inline __m256 block_start(const uint8_t* qs, const uint16_t* d, const uint16_t* m, const float* sums,
+                                 int64_t b, __m256* macc) {
+  const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b * G)));
+  const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b * G)));
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
+    macc[r] = _mm256_fmadd_ps(m8, _mm256_broadcast_ss(sums + b * R + r), macc[r]);
+  _mm_prefetch(reinterpret_cast<const char*>(qs + (b + PF) * G * 16), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(qs + (b + PF) * G * 16 + 64), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(d + (b + PF) * G), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(m + (b + PF) * G), _MM_HINT_T0);
+  return d8;
+}
+
 #if QVL == 16
 // A panel of R rows times the group's 8 columns: out [R, 8] (row stride ldo), of which the columns
 // before ncols are written
@@ -482,17 +500,8 @@ static inline void q4_tile(const float* __restrict__ xe, int64_t KB, const uint8
       _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7)};
   const float* sums = xe + KB * 32 * R;
   for (int64_t b = 0; b < KB; ++b) {
-    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b * G)));
-    const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b * G)));
+    const __m256 d8 = block_start<R>(qs, d, m, sums, b, macc);
     const float* xb = xe + b * 32 * R;
-    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
-      macc[r] = _mm256_fmadd_ps(m8, _mm256_broadcast_ss(sums + b * R + r), macc[r]);
-    // the group's blocks PF ahead (past its end, the next group's: they are contiguous), so that a
-    // call's streams are in flight from its start (measured: 1.1x a model's Q4_1 matmuls from memory)
-    _mm_prefetch(reinterpret_cast<const char*>(qs + (b + PF) * G * 16), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(qs + (b + PF) * G * 16 + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(d + (b + PF) * G), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(m + (b + PF) * G), _MM_HINT_T0);
     const __m512i qv[2] = {_mm512_loadu_si512(qs + b * G * 16), _mm512_loadu_si512(qs + b * G * 16 + 64)};
     __m512 part[R][2];  // q . x of the block
     _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
@@ -546,15 +555,8 @@ static inline void q4_tile(const float* __restrict__ xe, int64_t KB, const uint8
   }
   const float* sums = xe + KB * 32 * R;
   for (int64_t b = 0; b < KB; ++b) {
-    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b * G)));
-    const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b * G)));
+    const __m256 d8 = block_start<R>(qs, d, m, sums, b, macc);
     const float* xb = xe + b * 32 * R;
-    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
-      macc[r] = _mm256_fmadd_ps(m8, _mm256_broadcast_ss(sums + b * R + r), macc[r]);
-    _mm_prefetch(reinterpret_cast<const char*>(qs + (b + PF) * G * 16), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(qs + (b + PF) * G * 16 + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(d + (b + PF) * G), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(m + (b + PF) * G), _MM_HINT_T0);
     const __m256i* qv = reinterpret_cast<const __m256i*>(qs + b * G * 16) + v0;
     __m256 part[R][V];  // q . x of the block
     _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
