@@ -5,11 +5,15 @@ variant's engine is built (and its step compiled) first, then the variants are m
     python -m batchgen.benchmarks.step_ab --batch 1 --quantization gguf --variants torch/0,cpu/0,cpu/1s
     python -m batchgen.benchmarks.step_ab --batch 64 --dtype bfloat16
 
-A variant is BACKEND/CPP_WRAPPER: the attention backend (torch, cpu) and, for the compiled step's
-wrapper, 0 (Python), 1 (C++, one file with the kernels, all at -O3) or 1s (C++, the wrapper at -O1
-apart from the kernels: Inductor's cpp_wrapper_build_separate, the engine's default). Prints tok/s
-with prefill, decode-only and prefill tok/s, and whether each variant's greedy tokens are the first
-variant's.
+A variant is BACKEND/CPP_WRAPPER[/static]: the attention backend (torch, cpu) and, for the compiled
+step's wrapper, 0 (Python), 1 (C++, one file with the kernels, all at -O3) or 1s (C++, the wrapper at -O1
+apart from the kernels: Inductor's cpp_wrapper_build_separate, the engine's default); `static` keeps the
+number of attention pairs a static size (a compile per pairs bucket; the engine's default makes it
+dynamic). The warm-up generates as many tokens as a measured run, so every bucket a run reaches is
+compiled before the runs. Prints the compiles, tok/s with prefill, decode-only and prefill tok/s, and
+whether each variant's greedy tokens are the first variant's.
+
+    python -m batchgen.benchmarks.step_ab --batch 1 --quantization gguf --variants cpu/1s,cpu/1s/static
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
           f"median of {a.repeats}")
     engines = {}
     for variant in a.variants.split(","):
-        backend, wrapper = variant.split("/")
+        backend, wrapper, *static = variant.split("/")
         cfg = EngineConfig(max_num_seqs=a.batch, max_model_len=2048, dtype=a.dtype, quantization=a.quantization,
                            compile="on", kv_cache_tokens=a.batch * 600 + 2048, enable_prefix_caching=False,
                            attention_backend=backend)
@@ -53,10 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         g = e.runner.graphs  # its buckets compile on first use: rebuilt here with this variant's options
         e.runner.graphs = DecodeGraphs(g.model, g.kv, g.attention, g.scratch, g.device, g.mode, 0.0,
                                        step_options={**STEP_OPTIONS, "cpp_wrapper": wrapper in ("1", "1s"),
-                                                     "cpp_wrapper_build_separate": wrapper == "1s"})
+                                                     "cpp_wrapper_build_separate": wrapper == "1s"},
+                                       dynamic_pairs=static != ["static"])
         t0 = time.perf_counter()
-        bench.run_engine(e, ids, a.batch, SamplingParams(max_tokens=16, ignore_eos=True), None, "warm")
-        print(f"  {variant}: warm-up (compiles) {time.perf_counter() - t0:.1f} s", flush=True)
+        bench.run_engine(e, ids, a.batch, SamplingParams(max_tokens=a.new_tokens, ignore_eos=True), None, "warm")
+        print(f"  {variant}: warm-up {time.perf_counter() - t0:.1f} s, {e.runner.graphs.num_compiles} compiles "
+              f"({e.runner.graphs.compile_s:.1f} s)", flush=True)
         engines[variant] = e
     runs: dict[str, list] = {v: [] for v in engines}
     outputs = {}

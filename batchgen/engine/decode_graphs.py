@@ -16,10 +16,14 @@ into static buffers; this does the same for the native engine's PyTorch paged pa
   logits come back from the graph's static output.
 
 On CPU there is no graph to capture. There the static shapes serve torch.compile instead
-(mode "compile"): Inductor compiles the whole decode step once per bucket, fusing the norms, RoPE,
+(mode "compile"): Inductor compiles the whole decode step once per rows bucket, fusing the norms, RoPE,
 the KV write and the attention's gathers, masks and split softmax into a few C++ kernels around the
 matmuls (batchgen's gemv kernel or oneDNN's prepacked one, called as opaque kernels,
-batchgen.model.linear). Measured on a 2-core Zen 4
+batchgen.model.linear). The number of pairs is a dynamic size of that compile (only the attention
+kernel, an opaque op, reads the pairs), so the pairs buckets of one rows bucket share its code: a
+batch-1 job of 600 tokens, whose pairs pass through buckets 1 to 16, compiled once (29 s) instead of
+5 times (81 s), at the same speed and with the same tokens (2026-12-05, 2-core Zen 4; docs/speed.md).
+Measured on a 2-core Zen 4
 with SmolLM2-135M fp32: 1.2-1.4x the eager step at batch 1, 8 and 64. A compile costs seconds (Dynamo traces every
 layer: ~4-6 s a bucket with Inductor's cache warm, a minute or more cold), so `--compile auto` rents
 before it buys: a bucket runs the dynamic (unpadded) path until the time spent there would have paid
@@ -125,7 +129,8 @@ class DecodeGraphs:
     once; None: from the compile cost measured on this machine, see the module's docstring)."""
 
     def __init__(self, model, kv, attention, scratch_block: int, device: str, mode: str,
-                 compile_after_s: float | None = 0.0, step_options: dict | None = None):
+                 compile_after_s: float | None = 0.0, step_options: dict | None = None,
+                 dynamic_pairs: bool | None = None):
         self.model, self.kv, self.attention = model, kv, attention
         self.scratch = scratch_block
         self.device, self.mode = device, mode
@@ -134,11 +139,17 @@ class DecodeGraphs:
         self.pool = None
         self.num_steps = 0  # decode steps run through a bucket (replayed, compiled, or eager)
         self.compile_s = 0.0  # seconds spent compiling buckets
+        self.num_compiles = 0  # compiles of the step (a bucket's first call that Dynamo traced)
         self.auto = compile_after_s is None
         self.record = _compile_record(model)
         self.compile_after_s = (compile_after_s if compile_after_s is not None
                                 else _estimated_compile_s(device, self.record) / SAVING)
-        self.eager_s: dict[tuple[int, int], float] = {}  # seconds of dynamic steps per bucket not yet compiled
+        # mode compile: a bucket's number of pairs is a dynamic size of the compiled step, so one compile serves
+        # every pairs bucket of its rows (the pairs are read by the attention kernel alone, an opaque op to
+        # Inductor, so the compiled code does not depend on their number); buckets still differ in rows
+        self.dynamic_pairs = mode == "compile" if dynamic_pairs is None else dynamic_pairs
+        self.compiled_rows: set[int] = set()  # with dynamic pairs: the row buckets compiled so far
+        self.eager_s: dict = {}  # seconds of dynamic steps per bucket not yet compiled (per rows, with dynamic pairs)
         self.compiled_step = None
         self.failed: str | None = None  # why a compile failed under auto (the dynamic path serves from then on)
         if mode == "compile":
@@ -158,18 +169,24 @@ class DecodeGraphs:
         R, n_pairs = len(tokens), len(pairs[0])
         B = row_bucket(R)
         P = bucket(n_pairs + B - R)  # each padding row needs a pair of its own
+        if self.dynamic_pairs:  # at least 2: Dynamo specialises a dynamic size of 1 (a compile of its own)
+            P = max(P, 2)
         if self.failed:
             return dynamic()
         st = self.buckets.get((B, P))
-        if st is None and self.mode == "compile":
-            spent = self.eager_s.get((B, P), 0.0)
+        if st is None and self.mode == "compile" and not (self.dynamic_pairs and B in self.compiled_rows):
+            key = B if self.dynamic_pairs else (B, P)
+            spent = self.eager_s.get(key, 0.0)
             if spent < self.compile_after_s:  # still renting: the unpadded eager step
                 t0 = time.perf_counter()
                 out = dynamic()
-                self.eager_s[(B, P)] = spent + time.perf_counter() - t0
+                self.eager_s[key] = spent + time.perf_counter() - t0
                 return out
         if st is None:
             st = self.buckets[(B, P)] = _Static(B, P, kt, self.device)
+            if self.dynamic_pairs:
+                for t in (st.pair_tile, st.pair_blocks, st.pair_pos0):
+                    torch._dynamo.mark_dynamic(t, 0)
         self._fill(st, R, tokens, positions, block_idx, pairs, kt)
         self.num_steps += 1
         if self.mode == "eager":
@@ -177,7 +194,8 @@ class DecodeGraphs:
         if self.mode == "compile":
             if st.compiled:
                 return self._compiled_step(st)[:R]
-            t0 = time.perf_counter()  # this bucket's first call compiles it
+            # this bucket's first call compiles it (with dynamic pairs, unless its rows' code is compiled already)
+            frames, t0 = torch._dynamo.utils.counters["frames"]["total"], time.perf_counter()
             try:
                 out = self._compiled_step(st)
             except Exception as e:  # no C++ compiler, an Inductor bug: under auto, a run must not die of it
@@ -186,8 +204,12 @@ class DecodeGraphs:
                 self.failed = f"{type(e).__name__}: {str(e)[:200]}"
                 return dynamic()
             took = time.perf_counter() - t0
-            st.compiled, self.compile_s = True, self.compile_s + took
-            _record_compile_s(self.device, self.record, took)
+            st.compiled = True
+            self.compiled_rows.add(B)
+            if torch._dynamo.utils.counters["frames"]["total"] > frames:  # Dynamo traced, so Inductor compiled
+                self.num_compiles += 1
+                self.compile_s += took
+                _record_compile_s(self.device, self.record, took)
             return out[:R]
         if st.graph is None:
             self._capture(st)
@@ -247,7 +269,10 @@ class DecodeGraphs:
             return "static buckets, eager (no CUDA graphs on this device)"
         when = ("once a bucket's eager steps reach " + f"{self.compile_after_s:.0f} s (compile cost over {SAVING})"
                 if self.compile_after_s else "on a bucket's first use")
-        return (f"no graphs; decode step compiled per (rows, pairs) bucket {when}: {len(self.buckets)} compiled "
+        if self.dynamic_pairs:
+            return (f"no graphs; decode step compiled per rows bucket (its pairs a dynamic size) {when}: "
+                    f"{self.num_compiles} compiled so far, {self.num_steps} compiled steps")
+        return (f"no graphs; decode step compiled per (rows, pairs) bucket {when}: {self.num_compiles} compiled "
                 f"so far, {self.num_steps} compiled steps")
 
 
