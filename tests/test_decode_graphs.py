@@ -91,11 +91,12 @@ def test_compiled_decode_step_gives_the_eager_tokens(tiny_model_dir, dtype, tmp_
     assert decode_graphs._estimated_compile_s("cpu", g.record) > 0
 
 
-def one_long_row(model_dir, compile="on", **graphs):
+def one_long_row(model_dir, compile="on", attention_backend="auto", **graphs):
     """One greedy row whose context grows from 20 to 300 positions: 1 to 5 pairs of 64 keys, so its
     steps pass through pairs buckets 2, 4 and 8 (and 1, with the pairs as a static size)."""
     e = NativeEngine(model_dir, EngineConfig(max_num_seqs=1, max_model_len=320, compile=compile,
-                                             cuda_graphs="off" if compile == "off" else "auto", block_size=4))
+                                             cuda_graphs="off" if compile == "off" else "auto", block_size=4,
+                                             attention_backend=attention_backend))
     for name, value in graphs.items():
         setattr(e.runner.graphs, name, value)
     e.add("r", list(range(20, 40)), SamplingParams(max_tokens=280, ignore_eos=True))
@@ -103,21 +104,23 @@ def one_long_row(model_dir, compile="on", **graphs):
     return done["r"].output_token_ids, e
 
 
-def test_the_pairs_are_a_dynamic_size_so_a_rows_bucket_compiles_once(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_the_pairs_are_a_dynamic_size_so_a_rows_bucket_compiles_once(tiny_model_dir, backend, tmp_path, monkeypatch):
     """The number of (query tile, key tile) pairs grows with the context (one per 64 keys at batch 1). As
     a static size, each new pairs bucket compiled the whole step again (a batch-1 job of 600 tokens
     compiled 5 times, 81 s on SmolLM2-135M). As a dynamic one, a rows bucket compiles once and serves
     every pairs bucket, with the eager step's tokens; only a real compile is counted (and recorded for
-    --compile auto)."""
+    --compile auto). Both CPU attention backends: batchgen's kernel (opaque to Inductor) and the PyTorch
+    path, whose gathers Inductor compiles with the pairs as a symbolic size."""
     monkeypatch.setenv("BATCHGEN_HOME", str(tmp_path))
-    ref, _ = one_long_row(tiny_model_dir, compile="off")
-    got, e = one_long_row(tiny_model_dir)
+    ref, _ = one_long_row(tiny_model_dir, compile="off", attention_backend=backend)
+    got, e = one_long_row(tiny_model_dir, attention_backend=backend)
     g = e.runner.graphs
     assert got == ref and g.dynamic_pairs and {P for _, P in g.buckets} == {2, 4, 8}
     assert g.num_compiles == 1 and g.compiled_rows == {1} and g.compile_s > 0
     assert all(st.compiled for st in g.buckets.values()) and "1 compiled so far" in e.conditions()["cuda_graphs"]
     # the static sizes, for contrast: one compile per pairs bucket
-    static, e = one_long_row(tiny_model_dir, dynamic_pairs=False)
+    static, e = one_long_row(tiny_model_dir, attention_backend=backend, dynamic_pairs=False)
     g = e.runner.graphs
     assert static == ref and {P for _, P in g.buckets} == {1, 2, 4, 8} and g.num_compiles == 4
 
