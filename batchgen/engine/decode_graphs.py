@@ -148,7 +148,6 @@ class DecodeGraphs:
         # every pairs bucket of its rows (the pairs are read by the attention kernel alone, an opaque op to
         # Inductor, so the compiled code does not depend on their number); buckets still differ in rows
         self.dynamic_pairs = mode == "compile" if dynamic_pairs is None else dynamic_pairs
-        self.compiled_rows: set[int] = set()  # with dynamic pairs: the row buckets compiled so far
         self.eager_s: dict = {}  # seconds of dynamic steps per bucket not yet compiled (per rows, with dynamic pairs)
         self.compiled_step = None
         self.failed: str | None = None  # why a compile failed under auto (the dynamic path serves from then on)
@@ -205,7 +204,6 @@ class DecodeGraphs:
                 return dynamic()
             took = time.perf_counter() - t0
             st.compiled = True
-            self.compiled_rows.add(B)
             if torch._dynamo.utils.counters["frames"]["total"] > frames:  # Dynamo traced, so Inductor compiled
                 self.num_compiles += 1
                 self.compile_s += took
@@ -215,6 +213,11 @@ class DecodeGraphs:
             self._capture(st)
         st.graph.replay()
         return st.logits[:R]
+
+    @property
+    def compiled_rows(self) -> set[int]:
+        """The rows buckets compiled so far (with dynamic pairs, each serves every pairs bucket of its rows)."""
+        return {B for (B, _), st in self.buckets.items() if st.compiled}
 
     def _fill(self, st: _Static, R: int, tokens, positions, block_idx, pairs, kt: int) -> None:
         B, P = st.tokens.shape[0], st.pair_tile.shape[0]
