@@ -226,6 +226,12 @@ class VllmEngine(Engine):
             os.environ["VLLM_BATCH_INVARIANT"] = "1"
         # enforce_eager stays vLLM's default (off: its compiled CPU path), as LLM(...) users get it
         options.setdefault("max_num_batched_tokens", max(config.max_num_batched_tokens, self.max_model_len))
+        if on_cpu:
+            # whole prompts a step (the budget above holds any one): vLLM 0.32 rewinds a seeded row's generator
+            # for the token a partial prefill discards by CUDA's Philox offset (gen.set_offset(gen.get_offset()
+            # - 4)), and torch's CPU generator has none: a sampled, seeded row prefilled in chunks killed the
+            # engine core ("CPU Generator does not use offset")
+            options.setdefault("enable_chunked_prefill", False)
         bpe = DTYPE_BYTES.get(config.dtype) or (4 if shape.get("torch_dtype") == "float32" else 2)  # auto: vLLM's rule
         self.kv_bytes_per_token = kv_bytes_per_token(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], bpe)
         # the same KV memory as the native engine: an explicit budget, or (CPU) the same fixed default;
