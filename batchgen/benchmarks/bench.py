@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from batchgen.config import EngineConfig, SamplingParams
+from batchgen.config import ENGINES, EngineConfig, SamplingParams
 
 HELD_PROMPTS = Path(__file__).parent / "data" / "held_prompts.parquet"
 MIN_PROMPTS = 4  # batch 1 runs four prompts one after another
@@ -438,7 +438,7 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
         workloads = {"copy": chat([COPY_TEMPLATE.format(text=t) for t in texts]), "open": chat(texts)}
         spec_len = max(len(p) for w in workloads.values() for p in w) + new_tokens + 8
         spec_kv = max(sum(len(p) + new_tokens + 32 for p in w) for w in workloads.values())
-        for name in [e for e in engines if e != "hf"]:
+        for name in [e for e in engines if e in ENGINES]:  # batchgen's own engines; the peers run no drafts here
             for k in (0, speculative_k):
                 log(f"{name} speculative k={k} ...")
                 engine = make_engine(name, model_dir, "float32", spec_batch, spec_len, spec_kv, k, compile_="off")
