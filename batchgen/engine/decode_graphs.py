@@ -272,11 +272,9 @@ class DecodeGraphs:
             return "static buckets, eager (no CUDA graphs on this device)"
         when = ("once a bucket's eager steps reach " + f"{self.compile_after_s:.0f} s (compile cost over {SAVING})"
                 if self.compile_after_s else "on a bucket's first use")
-        if self.dynamic_pairs:
-            return (f"no graphs; decode step compiled per rows bucket (its pairs a dynamic size) {when}: "
-                    f"{self.num_compiles} compiled so far, {self.num_steps} compiled steps")
-        return (f"no graphs; decode step compiled per (rows, pairs) bucket {when}: {self.num_compiles} compiled "
-                f"so far, {self.num_steps} compiled steps")
+        per = "rows bucket (its pairs a dynamic size)" if self.dynamic_pairs else "(rows, pairs) bucket"
+        return (f"no graphs; decode step compiled per {per} {when}: {self.num_compiles} compiled so far, "
+                f"{self.num_steps} compiled steps")
 
 
 # ---- the compile cost measured on this machine (what `--compile auto` rents against) ----------------
