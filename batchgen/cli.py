@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--engines", default="native,vllm,hf,llama.cpp,vllm-generate",
                        help="comma-separated: native, vllm (through batchgen), hf (the naive baseline), and the outside "
                             "peers llama.cpp (llama-cpp-python on the model's GGUF) and vllm-generate (vLLM's own "
-                            "LLM.generate, fp32 and bf16); a peer that is not installed is left out with a line")
+                            "LLM.generate, fp32 and bf16); a peer that is not installed is left out with a line, and one "
+                            "that fails is reported under the table and left out of the rest of the run")
     bench.add_argument("--native-variants", default="eager,compiled,onednn,auto,loose,int4,gguf",
                        help="the native engine's variants to measure (comma-separated)")
     bench.add_argument("--batches", default="1,8,64,256", help="requests in flight, comma-separated")

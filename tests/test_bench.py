@@ -107,6 +107,60 @@ def test_a_peer_that_is_not_installed_is_left_out_with_a_line(tiny_model_dir, mo
     assert any(line.startswith("vllm-generate left out: vLLM is not installed") for line in lines)
 
 
+class DyingVllmDouble:
+    """A test double for the vLLM peer (peers.VllmOwnRunner) that dies as vLLM 0.32 on CPU does on seeded
+    sampled rows: greedy runs give every prompt its tokens; the first sampled run raises, and so does
+    every call after it, closing included (a dead engine core)."""
+
+    closed: list[str] = []  # the dtypes closed, across instances (each test sets its own list)
+
+    def __init__(self, model_dir, dtype, max_batch, max_len, kv_bytes):
+        self.dead, self.dtype = False, dtype
+
+    def run(self, prompt_ids, batch, new_tokens, temperature=0.0, top_p=1.0):
+        if self.dead or temperature > 0:
+            self.dead = True
+            raise RuntimeError("vLLM's engine core died (test double)")
+        return {"tokens": len(prompt_ids) * new_tokens, "seconds": 0.01, "outputs": [[1] * new_tokens] * len(prompt_ids)}
+
+    def close(self):
+        DyingVllmDouble.closed.append(self.dtype)
+        if self.dead:
+            raise RuntimeError("engine core is gone (test double)")
+
+
+def test_a_peer_that_dies_is_reported_and_the_bench_goes_on(tiny_model_dir, monkeypatch):
+    """An outside peer run as its users run it can die of its own bugs: the bench reports where and
+    what it raised, keeps the cells it measured before (with their real number of repeats), and still
+    prints its table; batchgen's own engines are measured in full."""
+    import sys
+    import types
+
+    from batchgen.benchmarks import peers
+
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))  # "installed"; the double stands in for it
+    monkeypatch.setattr(peers, "VllmOwnRunner", DyingVllmDouble)
+    monkeypatch.setattr(DyingVllmDouble, "closed", [])  # a dead peer is still closed
+    lines = []
+    results, conditions = run_bench(tiny_model_dir, ["native", "vllm-generate"], [2], ["greedy", "sampled"],
+                                    new_tokens=2, speculative_k=0, log=lines.append, repeats=2,
+                                    native_variants=("eager",))
+    grid = {(m.engine, m.mode): m for m in results}
+    assert grid[("native", "greedy")].repeats == grid[("native", "sampled")].repeats == 2
+    failed = conditions["peers_failed"]
+    assert set(failed) == {"vllm-generate:fp32", "vllm-generate:bf16"}
+    assert all(why.startswith("measuring batch 2 sampled: RuntimeError: vLLM's engine core died") for why in failed.values())
+    for name in failed:  # its first repeat ran greedy first or sampled first (modes alternate): at most that greedy cell
+        kept = [m for (engine, _), m in grid.items() if engine == name]
+        assert all(m.mode == "greedy" and m.repeats == 1 and m.spread is None for m in kept)
+        assert any(line.startswith(f"{name} failed, left out of the rest of this run") for line in lines)
+    text = format_bench(results, conditions)
+    assert "peers that failed in this run" in text and "targets (this run):" in text
+    assert "vllm-generate:bf16, measuring batch 2 sampled: RuntimeError" in text
+    assert sorted(DyingVllmDouble.closed) == ["bfloat16", "float32"]  # and the first failure is the one kept
+    assert any(line.endswith("(closing: RuntimeError: engine core is gone (test double))") for line in lines)
+
+
 def test_llama_cpp_runs_the_shipped_gguf_as_a_peer(real_model_dir):
     """The llama.cpp peer on the model's own GGUF (where llama-cpp-python is installed: the `peers`
     extra, which neither set-up nor CI builds): greedy tokens in llama.cpp's own loop, one KV stream

@@ -383,11 +383,12 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                     ms = sorted(runs[(name, mode)], key=lambda m: m["tokens"] / m["seconds"])
                     rates = [m["tokens"] / m["seconds"] for m in ms]
                     med = ms[len(ms) // 2]
+                    # repeats: those measured (a peer that died mid-cell has fewer)
                     record(Measurement("grid", name, dtype, b, mode, "held", 0, len(grid_prompts(b)), 0, 0.0),
-                           {**med, "repeats": repeats, "compile_s": compile_s[name],
+                           {**med, "repeats": len(ms), "compile_s": compile_s[name],
                             "step_itl_p50_s": _median(m.get("itl_p50_s") for m in ms),
                             "decode_mbu_p50": _median(m.get("decode_mbu_p50") for m in ms),
-                            "spread": (rates[-1] - rates[0]) / rates[len(ms) // 2] if repeats > 1 else None})
+                            "spread": (rates[-1] - rates[0]) / rates[len(ms) // 2] if len(ms) > 1 else None})
 
     def engine_cell(engine, compiled: bool) -> tuple[Callable, Callable | None]:
         def measure(b: int, mode: str) -> dict:
@@ -403,8 +404,9 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
 
         return measure, (warm_up if compiled else None)
 
+    failed: dict[str, str] = {}  # outside peers that died in this run: where, and what they raised
     peers = _peer_cells([e for e in engines if e in PEERS], gguf, model_dir, batches, max_len, kv_tokens, new_tokens,
-                        grid_prompts, peak_bw, log)
+                        grid_prompts, peak_bw, log, failed)
     for engine_name in [e for e in engines if e not in PEERS]:
         group_variants = [v for v in variants if v[0].split(":")[0] == engine_name]
         log(f"{', '.join(f'{n} ({d})' for n, d, *_ in group_variants)} ...")
@@ -458,10 +460,15 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                   "peak_flops": peak_flops, "prompt_token_flops": flops_per_token,
                   "cached_probe_read_bytes_per_s": probe.get("peak_read_bytes_per_s"),
                   "cached_probe": f"{probe.get('probe_source')}, measured {probe.get('probe_measured_at')}",
-                  "torch_threads": _threads(), "packages": package_versions(),
+                  "torch_threads": _threads(), "packages": package_versions(), "peers_failed": failed,
                   "prompts": (f"chat prompts of {prompt_tokens} tokens (held instructions joined and cut)"
                               if prompt_tokens else f"the held chat prompts, {min(map(len, held))} to "
                                                     f"{max(map(len, held))} tokens")}
+    if "llama.cpp" in engines and "llama.cpp" not in failed:
+        from batchgen.benchmarks import peers as outside
+
+        if outside.llama_cpp_available() is None:  # the instructions its build uses, beside batchgen's
+            conditions["llama_cpp_build"] = outside.llama_cpp_build()
     if "native" in engines:  # what `--fp32-kernel auto` takes per batch on this machine and model
         from batchgen.engine.precision import decode_matrices, resolve_fp32_kernel
         from batchgen.model.loader import read_model_config
@@ -474,56 +481,96 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
 PEERS = ("llama.cpp", "vllm-generate")  # outside peers, run as their own users run them (batchgen.benchmarks.peers)
 
 
+def _outlived(name: str, what: str, call: Callable, failed: dict[str, str], log) -> Callable:
+    """`call` (an outside peer's measure, warm-up or close), such that the peer's failure ends the
+    peer, not the bench: what it raised goes into `failed[name]` and a line, and from then on the peer
+    is not called again (its later cells stay empty, as for a mode it does not run). A peer is run as
+    its own users run it, bugs included (vLLM 0.32 on CPU dies on seeded sampled rows whose prompts
+    it prefills in chunks); batchgen's own engines get no such cover: their failure ends the run."""
+    def outlived(*args):
+        if name in failed and what != "closing":  # a dead peer is still closed, to free what it holds
+            return None
+        try:
+            return call(*args)
+        except Exception as e:  # noqa: BLE001 - whatever the peer raised is reported, with its type
+            where = what + (f" batch {args[0]}" if args else "") + "".join(f" {a}" for a in args[1:])
+            why = f"{where}: {type(e).__name__}: {e}"[:400]
+            failed.setdefault(name, why)  # the first failure is the one that ended it
+            log(f"{name} failed, left out of the rest of this run ({why})")
+            return None
+
+    return outlived
+
+
 def _peer_cells(names: list[str], gguf: list[Path], model_dir, batches: list[int], max_len: int, kv_tokens: int,
-                new_tokens: int, grid_prompts: Callable, peak_bw: float | None, log) -> list[tuple[tuple, Callable]]:
+                new_tokens: int, grid_prompts: Callable, peak_bw: float | None, log,
+                failed: dict[str, str]) -> list[tuple[tuple, Callable]]:
     """((name, dtype, measure, warm_up), close) for each outside peer that can run here; a line for
-    each that cannot. llama.cpp decodes greedily only (its sampled cells stay empty)."""
+    each that cannot. llama.cpp decodes greedily only (its sampled cells stay empty). A peer that
+    raises is left out from then on, and said so in `failed` (see _outlived)."""
+    cells = []
+    for peer in names:
+        try:
+            started = _start_peer(peer, gguf, model_dir, batches, max_len, kv_tokens, new_tokens, grid_prompts, peak_bw, log)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot start is reported like one that dies
+            failed[peer] = f"starting: {type(e).__name__}: {e}"[:400]
+            log(f"{peer} failed, left out of this run ({failed[peer]})")
+            continue
+        cells += [((name, dtype, _outlived(name, "measuring", measure, failed, log),
+                    warm_up and _outlived(name, "warming up", warm_up, failed, log)),
+                   _outlived(name, "closing", close, failed, log))
+                  for (name, dtype, measure, warm_up), close in started]
+    return cells
+
+
+def _start_peer(name: str, gguf: list[Path], model_dir, batches: list[int], max_len: int, kv_tokens: int,
+                new_tokens: int, grid_prompts: Callable, peak_bw: float | None, log) -> list[tuple[tuple, Callable]]:
+    """Outside peer `name`'s cells, started: none, with a line, where it cannot run here."""
     from batchgen.benchmarks import peers
     from batchgen.model.loader import read_hf_shape
 
     cells = []
-    for name in names:
-        if name == "llama.cpp":
-            why = peers.llama_cpp_available() or (None if gguf else f"no GGUF in {model_dir}")
-            if why:
-                log(f"llama.cpp left out: {why}")
-                continue
-            runner = peers.LlamaCppRunner(gguf[0], max(batches), max_len, _threads())
-            if runner.note:
-                log(f"llama.cpp: {runner.note}")
+    if name == "llama.cpp":
+        why = peers.llama_cpp_available() or (None if gguf else f"no GGUF in {model_dir}")
+        if why:
+            log(f"llama.cpp left out: {why}")
+            return cells
+        runner = peers.LlamaCppRunner(gguf[0], max(batches), max_len, _threads())
+        if runner.note:
+            log(f"llama.cpp: {runner.note}")
 
-            def measure(b: int, mode: str, runner=runner) -> dict | None:
-                if mode != "greedy":
-                    return None  # llama.cpp's sampler chain is not run here
-                m = runner.run(grid_prompts(b), b, new_tokens)
-                steps = sorted(m["decode_steps"])
-                nbytes = runner.weight_bytes
-                return {"tokens": m["tokens"], "seconds": m["seconds"], **_percentiles(m["gaps"]),
-                        "decode_tok_per_s": m["decode_tokens"] / m["decode_s"] if m["decode_s"] else None,
-                        "prefill_tok_per_s": m["prefill_tokens"] / m["prefill_s"] if m["prefill_s"] else None,
-                        "decode_mbu": nbytes * len(steps) / m["decode_s"] / peak_bw if peak_bw and m["decode_s"] else None,
-                        "decode_mbu_p50": nbytes / steps[len(steps) // 2] / peak_bw if peak_bw and steps else None,
-                        "outputs": m["outputs"]}
+        def measure(b: int, mode: str, runner=runner) -> dict | None:
+            if mode != "greedy":
+                return None  # llama.cpp's sampler chain is not run here
+            m = runner.run(grid_prompts(b), b, new_tokens)
+            steps = sorted(m["decode_steps"])
+            nbytes = runner.weight_bytes
+            return {"tokens": m["tokens"], "seconds": m["seconds"], **_percentiles(m["gaps"]),
+                    "decode_tok_per_s": m["decode_tokens"] / m["decode_s"] if m["decode_s"] else None,
+                    "prefill_tok_per_s": m["prefill_tokens"] / m["prefill_s"] if m["prefill_s"] else None,
+                    "decode_mbu": nbytes * len(steps) / m["decode_s"] / peak_bw if peak_bw and m["decode_s"] else None,
+                    "decode_mbu_p50": nbytes / steps[len(steps) // 2] / peak_bw if peak_bw and steps else None,
+                    "outputs": m["outputs"]}
 
-            cells.append(((name, "Q4_1", measure, lambda b, runner=runner: runner.run(grid_prompts(b), b, 4) and None),
+        cells.append(((name, "Q4_1", measure, lambda b, runner=runner: runner.run(grid_prompts(b), b, 4) and None),
+                      runner.close))
+    elif name == "vllm-generate":
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            log(f"vllm-generate left out: vLLM is not installed ({e})")
+            return cells
+        shape = read_hf_shape(model_dir)
+        for dtype in ("float32", "bfloat16"):  # the same KV room as the native engine's, in vLLM's dtype
+            kv_bytes = kv_tokens * 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * (
+                4 if dtype == "float32" else 2)
+            runner = peers.VllmOwnRunner(model_dir, dtype, max(batches), max_len, kv_bytes)
+
+            def measure(b: int, mode: str, runner=runner) -> dict:
+                return runner.run(grid_prompts(b), b, new_tokens, **MODES[mode])
+
+            cells.append(((f"vllm-generate:{'fp32' if dtype == 'float32' else 'bf16'}", dtype, measure, None),
                           runner.close))
-        elif name == "vllm-generate":
-            try:
-                import vllm  # noqa: F401
-            except ImportError as e:
-                log(f"vllm-generate left out: vLLM is not installed ({e})")
-                continue
-            shape = read_hf_shape(model_dir)
-            for dtype in ("float32", "bfloat16"):  # the same KV room as the native engine's, in vLLM's dtype
-                kv_bytes = kv_tokens * 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * (
-                    4 if dtype == "float32" else 2)
-                runner = peers.VllmOwnRunner(model_dir, dtype, max(batches), max_len, kv_bytes)
-
-                def measure(b: int, mode: str, runner=runner) -> dict:
-                    return runner.run(grid_prompts(b), b, new_tokens, **MODES[mode])
-
-                cells.append(((f"vllm-generate:{'fp32' if dtype == 'float32' else 'bf16'}", dtype, measure, None),
-                              runner.close))
     return cells
 
 
@@ -587,7 +634,8 @@ def format_bench(results: list[Measurement], conditions: dict) -> str:
     lines = [f"batchgen bench, {how}, {c['date']}: model {Path(c['model']).name}, {c['new_tokens']} new tokens per "
              f"prompt, {c.get('prompts', 'the held chat prompts')}, {c['cpu']} ({c.get('cpu_features', '?')}; {c['cores']} cores, torch threads {c['torch_threads']}), peak read "
              f"{(c['peak_read_bytes_per_s'] or 0) / 1e9:.1f} GB/s{_peak_flops(c)} measured at the start of this run (the cached "
-             f"probe: {(c.get('cached_probe_read_bytes_per_s') or 0) / 1e9:.1f}); {c['packages']}",
+             f"probe: {(c.get('cached_probe_read_bytes_per_s') or 0) / 1e9:.1f}); {c['packages']}"
+             + (f"; {c['llama_cpp_build']}" if c.get("llama_cpp_build") else ""),
              "", f"{'engine':<18} {'dtype':<9} {'batch':>5} {'mode':<8} {'tok/s':>8} {'dec tok/s':>9} {'pre tok/s':>9} "
                  f"{'pre MFU':>7} "
                  f"{'vs best peer':>12} "
@@ -613,6 +661,10 @@ def format_bench(results: list[Measurement], conditions: dict) -> str:
             lines.append(f"{m.engine:<8} {m.workload:<8} {m.speculative_k:>2} {m.tok_per_s:>8.1f} "
                          f"{_fmt(m.acceptance_rate, '.2f'):>10} {_fmt(m.speedup_vs_off, '.2f') + ('x' if m.speedup_vs_off else ''):>9} "
                          f"{_fmt(m.identical_to_off, ''):>11}")
+    if c.get("peers_failed"):  # outside peers that died: the cells they had measured stay, with their repeats
+        lines += ["", "peers that failed in this run, left out from then on (the cells above are those measured "
+                      "before; their repeats are in the Parquet):",
+                  *(f"  {name}, {why}" for name, why in c["peers_failed"].items())]
     lines += ["", *targets(results, conditions)]
     return "\n".join(lines)
 

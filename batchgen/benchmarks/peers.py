@@ -28,6 +28,15 @@ def llama_cpp_available() -> str | None:
     return None
 
 
+def llama_cpp_build() -> str:
+    """The llama.cpp build this process imports: its version and the instructions it was compiled for
+    (llama-cpp-python builds with the machine's own flags unless told otherwise), for the run's conditions."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode().strip().rstrip("|").strip()
+    return f"llama-cpp-python {llama_cpp.__version__} ({Path(llama_cpp.__file__).parent.parent}): {info}"
+
+
 class LlamaCppRunner:
     """llama.cpp's own decode loop over token ids, greedy, timed per step."""
 
