@@ -18,6 +18,22 @@ def batchgen_home() -> Path:
     """Where this machine's models, measured figures and compiled kernels are kept (BATCHGEN_HOME)."""
     return Path(os.environ.get("BATCHGEN_HOME", Path.home() / ".cache" / "batchgen"))
 
+
+CPU_CAPABILITIES = ("default", "avx2", "avx512")  # ATen's names for x86 instruction-set classes
+
+
+def cpu_capability() -> str | None:
+    """The x86 instruction-set class this process is capped to, or None for the machine's best.
+
+    PyTorch's own variable, ATEN_CPU_CAPABILITY ("default": no vectors, "avx2", "avx512"), caps ATen's
+    kernels and the code Inductor generates; batchgen's C++ kernels follow it too (batchgen.kernels), so
+    one variable runs the whole process as a CPU of that class would: `ATEN_CPU_CAPABILITY=avx2` on an
+    AVX-512 machine measures the AVX2 paths. Only a cap: it never turns on what the CPU lacks."""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if cap and cap not in CPU_CAPABILITIES:
+        raise ValueError(f"ATEN_CPU_CAPABILITY={cap!r}: batchgen knows {', '.join(CPU_CAPABILITIES)}")
+    return cap or None
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the run dtypes, and their bytes per element

@@ -2,6 +2,12 @@
 blocks are the model's exact weights, every instruction set this CPU runs gives float32's product of
 them, a row's result does not depend on its batch, and the engine runs the model on them."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -89,6 +95,45 @@ def test_q4_1_gives_the_same_bits_on_avx2_as_on_avx512(isas):
         wide = lin(x)
         lin.isa = 2
         assert torch.equal(lin(x), wide)
+
+
+CAPPED = """
+import json, sys, torch
+from batchgen import kernels
+from batchgen.metrics.conditions import cpu_features
+from batchgen.model import ggml
+sys.path.insert(0, sys.argv[1])
+from test_ggml import random_blocks
+isa = ggml.load()
+lin = random_blocks("Q4_1", 100, 1536, seed=7)
+x = torch.randn(5, 1536, generator=torch.Generator().manual_seed(5))
+torch.save(lin(x), sys.argv[2])
+print(json.dumps([isa, kernels.load("gemv"), kernels.load("bgemm"), kernels._command("gemv", "c++", "x"),
+                  cpu_features()]))
+"""
+
+
+def test_aten_cpu_capability_caps_batchgens_kernels_too(isas, tmp_path):
+    """ATEN_CPU_CAPABILITY=avx2, PyTorch's own cap (ATen's kernels, Inductor's code), caps batchgen's
+    kernels as well, so one variable runs a process as an AVX2 CPU would: qgemv picks its AVX2 build
+    (same bits as here), the -march kernels build for x86-64-v3, bgemm (AVX512_BF16) is not there, and
+    the run's conditions say so."""
+    if 2 not in isas:
+        pytest.skip("this CPU does not run AVX2")
+    out = tmp_path / "y.pt"
+    r = subprocess.run([sys.executable, "-c", CAPPED, str(Path(__file__).parent), str(out)], capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    isa, gemv_why, bgemm_why, command, features = json.loads(r.stdout.splitlines()[-1])
+    assert isa == 2 and gemv_why is None and "-march=x86-64-v3" in command
+    assert "AVX512_BF16" in bgemm_why  # its build refuses a CPU (class) without bf16 dot products
+    assert features.endswith("; capped to avx2 (ATEN_CPU_CAPABILITY)")
+    lin = random_blocks("Q4_1", 100, 1536, seed=7)
+    lin.isa = 2
+    assert torch.equal(torch.load(out), lin(torch.randn(5, 1536, generator=torch.Generator().manual_seed(5))))
+    r = subprocess.run([sys.executable, "-c", "from batchgen.config import cpu_capability; cpu_capability()"],
+                       capture_output=True, text=True, env={**os.environ, "ATEN_CPU_CAPABILITY": "avx3"})
+    assert r.returncode != 0 and "ATEN_CPU_CAPABILITY='avx3': batchgen knows default, avx2, avx512" in r.stderr
 
 
 def test_bad_shapes_and_instruction_sets_are_refused(isas):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from batchgen.config import batchgen_home
+from batchgen.config import batchgen_home, cpu_capability
 
 NAMES = ("gemv", "sample", "qgemv", "attention", "bgemm", "rmsnorm", "rope", "silumul")
 # kernels that hold a build per instruction set and choose one at run time: compiled for the baseline
@@ -58,12 +58,27 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+# the instructions a kernel is built for, under ATEN_CPU_CAPABILITY (batchgen.config.cpu_capability) on x86:
+# the class's baseline, tuned for this CPU; and the widest instruction set a run-time-dispatch kernel picks
+CAPPED_ARCH = {"avx2": ["-march=x86-64-v3", "-mtune=native"], "default": ["-march=x86-64", "-mtune=native"]}
+CAPPED_ISA = {"avx2": 2, "default": 1}  # qgemv.cpp's numbering
+
+
+def _arch(name: str) -> list[str]:
+    """The compiler's instruction-set flags for kernel `name` on this machine, under its capability cap."""
+    cap = cpu_capability()
+    if platform.machine() in ("aarch64", "arm64"):
+        return [] if name in RUNTIME_DISPATCH else ["-mcpu=native"]
+    if name in RUNTIME_DISPATCH:  # built for the baseline; it picks its widest build at run time, up to the cap
+        return [f"-DBATCHGEN_ISA_CAP={CAPPED_ISA[cap]}"] if cap in CAPPED_ISA else []
+    return CAPPED_ARCH.get(cap, ["-march=native"])
+
+
 def _command(name: str, compiler: str, out: Path) -> list[str]:
     from torch.utils.cpp_extension import include_paths
 
-    arch = "-mcpu=native" if platform.machine() in ("aarch64", "arm64") else "-march=native"
     lib = Path(torch.__file__).parent / "lib"
-    return [compiler, "-O3", *([] if name in RUNTIME_DISPATCH else [arch]), "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w",
+    return [compiler, "-O3", *_arch(name), "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             *(f"-I{p}" for p in include_paths()), str(source(name)), f"-L{lib}", "-lc10", "-ltorch_cpu",
             "-o", str(out)]
@@ -79,7 +94,7 @@ def source_text(name: str) -> str:
 
 def library_path(name: str, compiler: str) -> Path:
     key = hashlib.sha256("\n".join([source_text(name), torch.__version__, compiler, platform.machine(),
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
+                                    _cpu_flags(), *_arch(name)]).encode()).hexdigest()[:16]
     return kernel_dir() / f"{name}-{key}.so"
 
 

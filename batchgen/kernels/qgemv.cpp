@@ -95,14 +95,19 @@ namespace isa_portable {
 #undef QVL
 }  // namespace isa_portable
 
-// isa: 0 = the best this CPU runs, 512 = AVX-512, 2 = AVX2, 1 = the portable build
+// isa: 0 = the best this CPU runs, 512 = AVX-512, 2 = AVX2, 1 = the portable build; a build may be
+// capped below the CPU's best (BATCHGEN_ISA_CAP, from ATEN_CPU_CAPABILITY: see batchgen.kernels)
+#ifndef BATCHGEN_ISA_CAP
+#define BATCHGEN_ISA_CAP 512
+#endif
 static int best_isa() {
 #ifdef BATCHGEN_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  if (BATCHGEN_ISA_CAP >= 512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     return 512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 2;  // F16C comes with AVX2 CPUs
+  if (BATCHGEN_ISA_CAP >= 2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return 2;  // F16C comes with AVX2 CPUs
 #endif
   return 1;
 }
@@ -112,7 +117,7 @@ static int resolve_isa(int64_t isa) {
   if (isa == 0) return best;
   TORCH_CHECK(isa == 1 || isa == 2 || isa == 512, "batchgen qgemv: isa must be 0, 1, 2 or 512, got ", isa);
   TORCH_CHECK(isa == 1 || (isa == 2 && best >= 2) || (isa == 512 && best == 512),
-              "batchgen qgemv: this CPU does not run isa ", isa, " (best: ", best, ")");
+              "batchgen qgemv: this CPU (or its ATEN_CPU_CAPABILITY cap) does not run isa ", isa, " (best: ", best, ")");
   return static_cast<int>(isa);
 }
 

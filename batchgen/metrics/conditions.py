@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import batchgen
+from batchgen.config import cpu_capability
 
 
 def cpu_model() -> str:
@@ -41,7 +42,9 @@ def cpu_features() -> str:
     flags = set((info.get("flags") or info.get("Features") or "").split())
     vendor = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(info.get("vendor_id", ""), info.get("vendor_id", ""))
     head = f"{vendor} family {info['cpu family']} model {info['model']}" if "cpu family" in info else platform.machine()
-    return f"{head}: {' '.join(f for f in VECTOR_FLAGS if f in flags) or 'no vector flags listed'}"
+    cap = cpu_capability()  # a run capped below the CPU's best says so beside the flags it has
+    return (f"{head}: {' '.join(f for f in VECTOR_FLAGS if f in flags) or 'no vector flags listed'}"
+            + (f"; capped to {cap} (ATEN_CPU_CAPABILITY)" if cap else ""))
 
 
 def hardware(device: str) -> dict[str, Any]:
