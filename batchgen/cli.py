@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from batchgen.config import cap_cpu_libraries
+
 
 def _generate_parser(sub) -> None:
     from batchgen.settings_cli import add_settings_flags
@@ -155,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    cap_cpu_libraries()  # before any matmul: oneDNN and MKL read their caps once
     handler = {"generate": cmd_generate, "report": cmd_report, "bench": cmd_bench,
                "lab": cmd_lab, "model": cmd_prepare, "kernels": cmd_kernels}[args.command]
     try:

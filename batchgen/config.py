@@ -34,6 +34,27 @@ def cpu_capability() -> str | None:
         raise ValueError(f"ATEN_CPU_CAPABILITY={cap!r}: batchgen knows {', '.join(CPU_CAPABILITIES)}")
     return cap or None
 
+
+# the same cap for the math libraries beneath PyTorch, which read their own variables once, at first use:
+# oneDNN (bf16 and many fp32 matmuls) and MKL (BLAS). Left alone, a process capped to avx2 still ran bf16
+# matmuls on AVX512_BF16 through oneDNN (408 GFLOP/s on a Zen 4; with oneDNN capped, an AVX2 CPU's crawl)
+LIBRARY_VARS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+LIBRARY_CAPS = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+                "default": {"ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}}
+
+
+def cap_cpu_libraries() -> dict[str, str]:
+    """Pass ATEN_CPU_CAPABILITY's cap on to oneDNN and MKL, where the user has not set their variables:
+    called first thing by the CLI, before any matmul (they read them once). The variables in force."""
+    for var, value in LIBRARY_CAPS.get(cpu_capability() or "", {}).items():
+        os.environ.setdefault(var, value)
+    return library_caps()
+
+
+def library_caps() -> dict[str, str]:
+    """oneDNN's and MKL's caps in this process's environment (set by the user, or by cap_cpu_libraries)."""
+    return {var: os.environ[var] for var in LIBRARY_VARS if os.environ.get(var)}
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the run dtypes, and their bytes per element

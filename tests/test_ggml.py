@@ -108,26 +108,31 @@ isa = ggml.load()
 lin = random_blocks("Q4_1", 100, 1536, seed=7)
 x = torch.randn(5, 1536, generator=torch.Generator().manual_seed(5))
 torch.save(lin(x), sys.argv[2])
+from batchgen.config import cap_cpu_libraries
+libs = cap_cpu_libraries()  # as the CLI does first thing
 print(json.dumps([isa, kernels.load("gemv"), kernels.load("bgemm"), kernels._command("gemv", "c++", "x"),
-                  cpu_features()]))
+                  cpu_features(), libs]))
 """
 
 
 def test_aten_cpu_capability_caps_batchgens_kernels_too(isas, tmp_path):
     """ATEN_CPU_CAPABILITY=avx2, PyTorch's own cap (ATen's kernels, Inductor's code), caps batchgen's
-    kernels as well, so one variable runs a process as an AVX2 CPU would: qgemv picks its AVX2 build
-    (same bits as here), the -march kernels build for x86-64-v3, bgemm (AVX512_BF16) is not there, and
-    the run's conditions say so."""
+    kernels as well, and the CLI passes it on to oneDNN and MKL, so one variable runs a process as an
+    AVX2 CPU would: qgemv picks its AVX2 build (same bits as here), the -march kernels build for
+    x86-64-v3, bgemm (AVX512_BF16) is not there, and the run's conditions say so."""
     if 2 not in isas:
         pytest.skip("this CPU does not run AVX2")
     out = tmp_path / "y.pt"
     r = subprocess.run([sys.executable, "-c", CAPPED, str(Path(__file__).parent), str(out)], capture_output=True,
                        text=True, timeout=600, env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"})
     assert r.returncode == 0, r.stderr[-2000:]
-    isa, gemv_why, bgemm_why, command, features = json.loads(r.stdout.splitlines()[-1])
+    isa, gemv_why, bgemm_why, command, features, libs = json.loads(r.stdout.splitlines()[-1])
     assert isa == 2 and gemv_why is None and "-march=x86-64-v3" in command
     assert "AVX512_BF16" in bgemm_why  # its build refuses a CPU (class) without bf16 dot products
-    assert features.endswith("; capped to avx2 (ATEN_CPU_CAPABILITY)")
+    # ... and oneDNN and MKL get the cap too (their own variables, read at their first use)
+    assert libs == {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert features.endswith("; capped to avx2 (ATEN_CPU_CAPABILITY); ONEDNN_MAX_CPU_ISA=AVX2; "
+                             "MKL_ENABLE_INSTRUCTIONS=AVX2")
     lin = random_blocks("Q4_1", 100, 1536, seed=7)
     lin.isa = 2
     assert torch.equal(torch.load(out), lin(torch.randn(5, 1536, generator=torch.Generator().manual_seed(5))))

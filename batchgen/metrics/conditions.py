@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import batchgen
-from batchgen.config import cpu_capability
+from batchgen.config import cpu_capability, library_caps
 
 
 def cpu_model() -> str:
@@ -42,9 +42,10 @@ def cpu_features() -> str:
     flags = set((info.get("flags") or info.get("Features") or "").split())
     vendor = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(info.get("vendor_id", ""), info.get("vendor_id", ""))
     head = f"{vendor} family {info['cpu family']} model {info['model']}" if "cpu family" in info else platform.machine()
-    cap = cpu_capability()  # a run capped below the CPU's best says so beside the flags it has
+    # a run capped below the CPU's best says so beside the flags it has, with the math libraries' caps
+    cap, libs = cpu_capability(), [f"{k}={v}" for k, v in library_caps().items()]
     return (f"{head}: {' '.join(f for f in VECTOR_FLAGS if f in flags) or 'no vector flags listed'}"
-            + (f"; capped to {cap} (ATEN_CPU_CAPABILITY)" if cap else ""))
+            + (f"; capped to {cap} (ATEN_CPU_CAPABILITY)" if cap else "") + "".join(f"; {v}" for v in libs))
 
 
 def hardware(device: str) -> dict[str, Any]:
