@@ -236,3 +236,9 @@ def test_the_targets_judge_each_engine_against_its_peer_in_the_same_dtype():
     assert "batch 64 bfloat16 greedy, native:auto / vLLM's generate: 1.25x (target 1.2x) met" in lines
     assert "batch 64 float32 greedy, native:compiled / vLLM's generate: 1.10x (target 1.2x) MISSED" in lines
     assert "batch 1 decode, native:auto (float32) / llama.cpp Q4_1: 1.05x (target 1.0x) met" in lines
+    # where no native row ran in a peer's dtype (bf16 on an AVX2 CPU: auto takes float32), auto is judged
+    # against it, and the line says which dtype auto took
+    lines = "\n".join(targets([cell("vllm-generate:bf16", "bfloat16", 256, 40.0),
+                               cell("native:auto", "float32", 256, 240.0)]))
+    assert ("batch 256 bfloat16 greedy: no native row in bfloat16 (--dtype auto takes float32 on this CPU); "
+            "native:auto / vLLM's generate in bfloat16: 6.00x (target 1.2x) met") in lines

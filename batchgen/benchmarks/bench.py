@@ -624,7 +624,8 @@ def _fmt(x, spec: str, none: str = "-") -> str:
 def _peak_flops(c: dict) -> str:
     peaks = c.get("peak_flops") or {}
     return ("" if not peaks else
-            " and matmul " + ", ".join(f"{v / 1e9:.0f} GFLOP/s in {k}" for k, v in peaks.items() if v))
+            " and matmul " + ", ".join(f"{v / 1e9:.{0 if v >= 1e10 else 2}f} GFLOP/s in {k}"  # a crawl shows
+                                       for k, v in peaks.items() if v))
 
 
 def format_bench(results: list[Measurement], conditions: dict) -> str:
@@ -687,10 +688,16 @@ def targets(results: list[Measurement], conditions: dict | None = None) -> list[
             peer = get(f"vllm-generate:{tag}", b, "greedy")
             mine = [m for m in grid if m.engine.startswith("native") and m.dtype == dtype and m.batch == b
                     and m.mode == "greedy" and m.engine != "native:gguf"]
+            auto = get("native:auto", b, "greedy")
             if peer and mine:
                 best = max(mine, key=lambda m: m.tok_per_s)
                 r = best.tok_per_s / peer.tok_per_s
                 out.append(f"  batch {b} {dtype} greedy, {best.engine} / vLLM's generate: {r:.2f}x (target 1.2x) "
+                           f"{'met' if r >= 1.2 else 'MISSED'}")
+            elif peer and auto:  # e.g. bf16 on an AVX2 CPU, which has no bf16 math: auto takes float32
+                r = auto.tok_per_s / peer.tok_per_s
+                out.append(f"  batch {b} {dtype} greedy: no native row in {dtype} (--dtype auto takes {auto.dtype} "
+                           f"on this CPU); native:auto / vLLM's generate in {dtype}: {r:.2f}x (target 1.2x) "
                            f"{'met' if r >= 1.2 else 'MISSED'}")
     for m in grid:  # vLLM through batchgen against vLLM's own generate, same dtype and workload
         peer = get(f"vllm-generate:{'bf16' if m.dtype == 'bfloat16' else 'fp32'}", m.batch, m.mode)
