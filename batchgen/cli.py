@@ -66,7 +66,8 @@ def cmd_bench(args) -> int:
     import time
     from pathlib import Path
 
-    from batchgen.benchmarks.bench import format_bench, run_bench, write_parquet
+    from batchgen.benchmarks.bench import run_bench
+    from batchgen.benchmarks.bench_results import format_bench, write_parquet
     from batchgen.model.prepare import resolve_model
 
     def csv(text: str) -> list[str]:

@@ -4,7 +4,8 @@ Parquet of results. (Speeds are printed, never asserted.)"""
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.benchmarks.bench import format_bench, run_bench, write_parquet
+from batchgen.benchmarks.bench import run_bench
+from batchgen.benchmarks.bench_results import format_bench, write_parquet
 from batchgen.model.linear import fp32_kernel
 
 pytestmark = pytest.mark.slow
@@ -170,7 +171,8 @@ def test_llama_cpp_runs_the_shipped_gguf_as_a_peer(real_model_dir):
     why = peers.llama_cpp_available()
     if why:
         pytest.skip(f"{why}; pip install '.[peers]' to run it")
-    from batchgen.benchmarks.bench import agreement, held_prompts
+    from batchgen.benchmarks.bench import held_prompts
+    from batchgen.benchmarks.bench_results import agreement
     from batchgen.config import SamplingParams
     from batchgen.model.tokenizer import Tokenizer
 
@@ -219,7 +221,7 @@ def test_the_step_profiler_splits_each_phase_into_classes(tiny_model_dir):
 def test_the_targets_judge_each_engine_against_its_peer_in_the_same_dtype():
     """targets() on figures made up for the purpose: vLLM through batchgen against vLLM's generate in
     its own dtype (0.95x), the native engine against it (1.2x), batch 1 against llama.cpp (1.0x)."""
-    from batchgen.benchmarks.bench import Measurement, targets
+    from batchgen.benchmarks.bench_results import Measurement, targets
 
     def cell(engine, dtype, batch, tok_s, decode=None):
         return Measurement(section="grid", engine=engine, dtype=dtype, batch=batch, mode="greedy", workload="held",

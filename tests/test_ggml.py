@@ -198,7 +198,7 @@ def test_the_engine_on_the_shipped_blocks_matches_float32(isas, real_model_dir):
     """Greedy tokens on the GGUF's own blocks against the float32 model (the same weights, dequantized):
     only float rounding differs, so the tokens agree (measured: 4 of 4 rows identical over 64 tokens;
     the stated floor is 0.9 of the tokens before each row's first divergence)."""
-    from batchgen.benchmarks.bench import agreement
+    from batchgen.benchmarks.bench_results import agreement
 
     def run(**kw):
         out, cond = engine_tokens(real_model_dir, CHAT, SamplingParams(max_tokens=24, ignore_eos=True),

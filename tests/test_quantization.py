@@ -66,7 +66,7 @@ def test_engine_int4_on_the_real_model(real_model_dir):
     each row's first divergence, over 12 prompts x 24 tokens). Measured on these 12: int4 0.61 and bf16
     0.62 with torch's RMSNorm, 0.52 and 0.71 with batchgen's kernel (a 1-ulp change in some bf16 norms):
     single rows flip at near-ties either way, so six prompts were too few for a floor."""
-    from batchgen.benchmarks.bench import agreement
+    from batchgen.benchmarks.bench_results import agreement
     from batchgen.engine.native import NativeEngine
 
     prompts = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",

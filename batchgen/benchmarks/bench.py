@@ -26,20 +26,20 @@ native engine and vLLM, with acceptance rates; a slow-down prints as a ratio bel
 
 Start-up (model load, vLLM's engine core) is excluded; prefill is included. Everything lands in one
 Parquet file (`--out`), one row per measurement, with the conditions. Machines are shared and noisy:
-compare ratios from one run, never absolute numbers across runs.
+compare ratios from one run, never absolute numbers across runs. This module runs the engines and
+measures; the table, the ratios and the targets' verdict are batchgen.benchmarks.bench_results'.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from batchgen.benchmarks.bench_results import Measurement, compare
 from batchgen.config import ENGINES, EngineConfig, SamplingParams
 
 HELD_PROMPTS = Path(__file__).parent / "data" / "held_prompts.parquet"
@@ -52,44 +52,6 @@ MODES = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p
 # fastest kernels for the batch, whose rows depend on it); int4 weights; the GGUF's own blocks
 NATIVE_VARIANTS = ("eager", "compiled", "onednn", "auto", "loose", "int4", "gguf")
 COPY_TEMPLATE = "Repeat the following text exactly, word for word, and nothing else:\n\n{text}"
-
-
-@dataclass
-class Measurement:
-    section: str  # grid | speculative
-    engine: str  # native, native:auto, native:int4, vllm, hf
-    dtype: str
-    batch: int
-    mode: str
-    workload: str  # held | copy | open
-    speculative_k: int
-    prompts: int
-    tokens: int
-    seconds: float
-    itl_p50_s: float | None = None
-    itl_p95_s: float | None = None
-    itl_p99_s: float | None = None
-    mbu: float | None = None  # over the whole run, prefill included
-    decode_mbu: float | None = None  # over the steps that only decode (the memory-bound part)
-    vs_best_peer: float | None = None  # this engine's tok/s over the best other engine's, same batch and mode
-    agreement_fp32: float | None = None  # greedy tokens before the first divergence from native fp32
-    acceptance_rate: float | None = None
-    speedup_vs_off: float | None = None  # speculation on over off, same engine and workload
-    identical_to_off: bool | None = None
-    repeats: int = 1  # measurements of this cell, modes alternating in order; the median one is kept
-    spread: float | None = None  # (max - min) / median tok/s over the repeats: the noise this run saw
-    compile_s: float | None = None  # seconds compiling in the untimed warm-up (compiled variants)
-    sample_share: float | None = None  # seconds choosing tokens (argmax / sampler) over decode-step seconds
-    decode_mbu_p50: float | None = None  # decode MBU at the median decode step (median over the repeats)
-    step_itl_p50_s: float | None = None  # the median over the repeats of each run's ITL p50 (see targets)
-    decode_tok_per_s: float | None = None  # tokens of the decode-only steps over their seconds
-    prefill_tok_per_s: float | None = None  # prompt tokens over the seconds of the steps that computed them
-    prefill_mfu: float | None = None  # those tokens' matmul FLOPs per second over this run's peak in the dtype
-    outputs: list = field(default_factory=list, repr=False)  # token ids per prompt (not written)
-
-    @property
-    def tok_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
 
 
 def held_prompts(n: int) -> list[str]:
@@ -281,14 +243,6 @@ class HFRunner:
 
 # ---- the run ---------------------------------------------------------------------------------------------
 
-def agreement(ref: list[list[int]], got: list[list[int]]) -> float | None:
-    same = total = 0
-    for a, b in zip(ref, got):
-        same += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        total += len(a)
-    return same / total if total else None
-
-
 def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str], new_tokens: int = 64,
               speculative_k: int = 4, spec_batch: int = 8, log=print,
               repeats: int = 1, native_variants: tuple[str, ...] = NATIVE_VARIANTS,
@@ -452,7 +406,7 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                 engine.close()
                 del engine
                 gc.collect()
-    _compare(results)
+    compare(results)
     conditions = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": str(model_dir), "cpu": cpu_model(),
                   "cpu_features": cpu_features(),
                   "machine": platform.machine(), "cores": os.cpu_count(), "new_tokens": new_tokens, "repeats": repeats,
@@ -578,177 +532,3 @@ def _threads() -> int:
     import torch
 
     return torch.get_num_threads()
-
-
-def _compare(results: list[Measurement]) -> None:
-    """Ratios measured within this run: vs the best peer, agreement with fp32, speculation on/off."""
-    grid = [m for m in results if m.section == "grid"]
-    for m in grid:
-        peers = [p.tok_per_s for p in grid if (p.batch, p.mode) == (m.batch, m.mode)
-                 and p.engine.split(":")[0] != m.engine.split(":")[0]]
-        m.vs_best_peer = m.tok_per_s / max(peers) if peers else None
-        # every variant and peer against native fp32: eager, or compiled where eager is not in the run
-        # (the two give the same tokens, tested)
-        ref = next((p for name in ("native", "native:compiled") for p in grid
-                    if (p.engine, p.batch, p.mode) == (name, m.batch, "greedy")), None)
-        if ref is not None and ref is not m and m.mode == "greedy" and m.outputs:
-            m.agreement_fp32 = agreement(ref.outputs, m.outputs)
-    for m in results:
-        if m.section == "speculative" and m.speculative_k:
-            off = next(p for p in results if p.section == "speculative" and p.speculative_k == 0
-                       and (p.engine, p.workload) == (m.engine, m.workload))
-            m.speedup_vs_off = m.tok_per_s / off.tok_per_s if off.tok_per_s else None
-            m.identical_to_off = m.outputs == off.outputs
-
-
-def write_parquet(results: list[Measurement], conditions: dict, path: Path) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rows = []
-    for m in results:
-        d = asdict(m)
-        d.pop("outputs")
-        d["tok_per_s"] = m.tok_per_s
-        d["conditions"] = json.dumps(conditions, default=str)
-        rows.append(d)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
-def _fmt(x, spec: str, none: str = "-") -> str:
-    return none if x is None else format(x, spec)
-
-
-def _peak_flops(c: dict) -> str:
-    peaks = c.get("peak_flops") or {}
-    return ("" if not peaks else
-            " and matmul " + ", ".join(f"{v / 1e9:.{0 if v >= 1e10 else 2}f} GFLOP/s in {k}"  # a crawl shows
-                                       for k, v in peaks.items() if v))
-
-
-def format_bench(results: list[Measurement], conditions: dict) -> str:
-    c = conditions
-    reps = c.get("repeats", 1)
-    how = "one run" if reps == 1 else f"one run, each cell measured {reps} times (modes alternating), the median shown"
-    lines = [f"batchgen bench, {how}, {c['date']}: model {Path(c['model']).name}, {c['new_tokens']} new tokens per "
-             f"prompt, {c.get('prompts', 'the held chat prompts')}, {c['cpu']} ({c.get('cpu_features', '?')}; {c['cores']} cores, torch threads {c['torch_threads']}), peak read "
-             f"{(c['peak_read_bytes_per_s'] or 0) / 1e9:.1f} GB/s{_peak_flops(c)} measured at the start of this run (the cached "
-             f"probe: {(c.get('cached_probe_read_bytes_per_s') or 0) / 1e9:.1f}); {c['packages']}"
-             + (f"; {c['llama_cpp_build']}" if c.get("llama_cpp_build") else ""),
-             "", f"{'engine':<18} {'dtype':<9} {'batch':>5} {'mode':<8} {'tok/s':>8} {'dec tok/s':>9} {'pre tok/s':>9} "
-                 f"{'pre MFU':>7} "
-                 f"{'vs best peer':>12} "
-                 f"{'ITL p50 ms':>10} {'p95':>7} {'p99':>7} {'MBU':>5} {'dec MBU':>7} {'agree fp32':>10} {'compile s':>9} "
-                 f"{'pick %':>6}"
-                 + (f" {'spread':>6}" if reps > 1 else "")]
-    for m in (r for r in results if r.section == "grid"):
-        ms = lambda v: _fmt(None if v is None else 1000 * v, ".1f")  # noqa: E731
-        lines.append(f"{m.engine:<18} {m.dtype:<9} {m.batch:>5} {m.mode:<8} {m.tok_per_s:>8.1f} "
-                     f"{_fmt(m.decode_tok_per_s, '.1f'):>9} {_fmt(m.prefill_tok_per_s, '.0f'):>9} "
-                     f"{_fmt(m.prefill_mfu, '.2f'):>7} "
-                     f"{_fmt(m.vs_best_peer, '.2f') + ('x' if m.vs_best_peer else ''):>12} {ms(m.itl_p50_s):>10} {ms(m.itl_p95_s):>7} "
-                     f"{ms(m.itl_p99_s):>7} {_fmt(m.mbu, '.2f'):>5} {_fmt(m.decode_mbu, '.2f'):>7} "
-                     f"{_fmt(m.agreement_fp32, '.2f'):>10} {_fmt(m.compile_s, '.1f'):>9} "
-                     f"{_fmt(None if m.sample_share is None else 100 * m.sample_share, '.1f'):>6}"
-                     + (f" {_fmt(None if m.spread is None else 100 * m.spread, '.0f') + '%':>6}" if reps > 1 else ""))
-    spec = [r for r in results if r.section == "speculative"]
-    if spec:
-        lines += ["", f"speculative decoding (n-gram), greedy, batch {spec[0].batch}: "
-                      "'copy' repeats its prompt, 'open' is the held instructions",
-                  f"{'engine':<8} {'workload':<8} {'k':>2} {'tok/s':>8} {'acceptance':>10} {'speed-up':>9} {'same output':>11}"]
-        for m in spec:
-            lines.append(f"{m.engine:<8} {m.workload:<8} {m.speculative_k:>2} {m.tok_per_s:>8.1f} "
-                         f"{_fmt(m.acceptance_rate, '.2f'):>10} {_fmt(m.speedup_vs_off, '.2f') + ('x' if m.speedup_vs_off else ''):>9} "
-                         f"{_fmt(m.identical_to_off, ''):>11}")
-    if c.get("peers_failed"):  # outside peers that died: the cells they had measured stay, with their repeats
-        lines += ["", "peers that failed in this run, left out from then on (the cells above are those measured "
-                      "before; their repeats are in the Parquet):",
-                  *(f"  {name}, {why}" for name, why in c["peers_failed"].items())]
-    lines += ["", *targets(results, conditions)]
-    return "\n".join(lines)
-
-
-def targets(results: list[Measurement], conditions: dict | None = None) -> list[str]:
-    """The issue's targets for this machine, as met / missed, from this run's figures. The native fp32
-    figure is the better of eager and compiled (the two rows above it); which one is named."""
-    def get(engine, batch, mode):
-        return next((m for m in results if m.section == "grid" and (m.engine, m.batch, m.mode) == (engine, batch, mode)),
-                    None)
-
-    def fp32(batch, mode):
-        got = [m for m in (get("native", batch, mode), get("native:compiled", batch, mode)) if m]
-        return max(got, key=lambda m: m.tok_per_s) if got else None
-
-    out = ["targets (this run):"]
-    grid = [m for m in results if m.section == "grid"]
-    for b in (64, 256):  # against vLLM's own generate, in its dtype, prefill included
-        for dtype, tag in (("float32", "fp32"), ("bfloat16", "bf16")):
-            peer = get(f"vllm-generate:{tag}", b, "greedy")
-            mine = [m for m in grid if m.engine.startswith("native") and m.dtype == dtype and m.batch == b
-                    and m.mode == "greedy" and m.engine != "native:gguf"]
-            auto = get("native:auto", b, "greedy")
-            if peer and mine:
-                best = max(mine, key=lambda m: m.tok_per_s)
-                r = best.tok_per_s / peer.tok_per_s
-                out.append(f"  batch {b} {dtype} greedy, {best.engine} / vLLM's generate: {r:.2f}x (target 1.2x) "
-                           f"{'met' if r >= 1.2 else 'MISSED'}")
-            elif peer and auto:  # e.g. bf16 on an AVX2 CPU, which has no bf16 math: auto takes float32
-                r = auto.tok_per_s / peer.tok_per_s
-                out.append(f"  batch {b} {dtype} greedy: no native row in {dtype} (--dtype auto takes {auto.dtype} "
-                           f"on this CPU); native:auto / vLLM's generate in {dtype}: {r:.2f}x (target 1.2x) "
-                           f"{'met' if r >= 1.2 else 'MISSED'}")
-    for m in grid:  # vLLM through batchgen against vLLM's own generate, same dtype and workload
-        peer = get(f"vllm-generate:{'bf16' if m.dtype == 'bfloat16' else 'fp32'}", m.batch, m.mode)
-        if m.engine == "vllm" and peer:
-            r = m.tok_per_s / peer.tok_per_s
-            out.append(f"  batch {m.batch} {m.dtype} {m.mode}, batchgen --engine vllm / vLLM's generate: {r:.2f}x "
-                       f"(target 0.95x) {'met' if r >= 0.95 else 'MISSED'}")
-    for b in sorted({m.batch for m in grid}):  # what batch invariance (the default) costs: at most 10%
-        inv, loose = get("native:auto", b, "greedy"), get("native:loose", b, "greedy")
-        if inv and loose:
-            r = inv.tok_per_s / loose.tok_per_s
-            out.append(f"  batch {b} greedy, batch-invariant auto ({inv.dtype}) / auto with --batch-invariant off "
-                       f"({loose.dtype}): {r:.2f}x (target 0.90x) {'met' if r >= 0.9 else 'MISSED'}")
-    llama = get("llama.cpp", 1, "greedy")
-    if llama and llama.decode_tok_per_s:  # batch 1, decode steps only
-        for engine in ("native:auto", "native:gguf"):
-            m = get(engine, 1, "greedy")
-            if m and m.decode_tok_per_s:
-                r = m.decode_tok_per_s / llama.decode_tok_per_s
-                out.append(f"  batch 1 decode, {engine} ({m.dtype}) / llama.cpp Q4_1: {r:.2f}x (target 1.0x) "
-                           f"{'met' if r >= 1.0 else 'MISSED'}; with prefill {m.tok_per_s / llama.tok_per_s:.2f}x")
-    for b in (64,):  # prefill in the chosen dtype against this run's matmul peak in it
-        m = get("native:auto", b, "greedy")
-        if m and m.prefill_mfu is not None:
-            out.append(f"  batch {b} prefill MFU, native:auto ({m.dtype}): {m.prefill_mfu:.2f} of the peak matmul FLOP/s "
-                       f"(target 0.60 on 64 prompts of 300 tokens; these: {(conditions or {}).get('prompts', 'held')}) "
-                       f"{'met' if m.prefill_mfu >= 0.6 else 'MISSED'}")
-    # judged at the median step, with the mean beside it: these runs share a noisy machine, and a slow
-    # patch of a few seconds moves a run's total time (and so its tok/s) by more than a 5% target
-    # (the default, on the bytes its weights take: the GGUF blocks where auto takes them; and fp32's)
-    for what, one in (("default", get("native:auto", 1, "greedy")), ("fp32", fp32(1, "greedy"))):
-        if one and one.decode_mbu_p50 is not None:
-            out.append(f"  batch 1 decode MBU at the median step, {what} ({one.engine}, {one.dtype}): "
-                       f"{one.decode_mbu_p50:.2f} (target 0.60) {'met' if one.decode_mbu_p50 >= 0.6 else 'MISSED'}; "
-                       f"over all decode steps {_fmt(one.decode_mbu, '.2f')}, whole run with prefill {_fmt(one.mbu, '.2f')}")
-    for b in sorted({m.batch for m in results if m.section == "grid"}):  # the fp32 kernels, side by side
-        g, o = get("native:compiled", b, "greedy"), get("native:onednn", b, "greedy")
-        if g and o and g.step_itl_p50_s and o.step_itl_p50_s:
-            auto = (conditions or {}).get("fp32_kernel_auto", {}).get(str(b), "?")
-            out.append(f"  batch {b} fp32 greedy, gemv kernel / oneDNN's (compiled), median decode step: "
-                       f"{o.step_itl_p50_s / g.step_itl_p50_s:.2f}x; whole runs (tok/s) {g.tok_per_s / o.tok_per_s:.2f}x; "
-                       f"--fp32-kernel auto takes {auto} at this batch")
-    for engine in ("native", "native:compiled"):
-        for b in sorted({m.batch for m in results if m.section == "grid"}):
-            g, s = get(engine, b, "greedy"), get(engine, b, "sampled")
-            if not (g and s and g.step_itl_p50_s and s.step_itl_p50_s):
-                continue
-            r = g.step_itl_p50_s / s.step_itl_p50_s
-            share = (f"; choosing tokens took {100 * s.sample_share:.1f}% of the decode steps sampled, "
-                     f"{100 * g.sample_share:.1f}% greedy" if s.sample_share is not None and g.sample_share is not None
-                     else "")
-            out.append(f"  batch {b} sampled / greedy ({engine} fp32), median decode step: {r:.2f} (target 0.95) "
-                       f"{'met' if r >= 0.95 else 'MISSED'}; whole runs (tok/s) {s.tok_per_s / g.tok_per_s:.2f}{share}")
-    return out
