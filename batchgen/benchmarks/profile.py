@@ -109,8 +109,11 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from batchgen.config import cap_cpu_libraries
     from batchgen.metrics.conditions import cpu_features, cpu_model
     from batchgen.model.prepare import resolve_model
+
+    cap_cpu_libraries()  # as the CLI does: ATEN_CPU_CAPABILITY's cap for oneDNN and MKL too
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1,64,256")

@@ -25,11 +25,13 @@ import time
 
 def main(argv: list[str] | None = None) -> int:
     from batchgen.benchmarks import bench
-    from batchgen.config import EngineConfig, SamplingParams
+    from batchgen.config import EngineConfig, SamplingParams, cap_cpu_libraries
     from batchgen.engine import create_engine
     from batchgen.engine.decode_graphs import STEP_OPTIONS, DecodeGraphs
     from batchgen.metrics.conditions import cpu_features, cpu_model
     from batchgen.model.prepare import resolve_model
+
+    cap_cpu_libraries()  # as the CLI does: ATEN_CPU_CAPABILITY's cap for oneDNN and MKL too
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=64)
