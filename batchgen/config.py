@@ -19,7 +19,8 @@ def batchgen_home() -> Path:
     return Path(os.environ.get("BATCHGEN_HOME", Path.home() / ".cache" / "batchgen"))
 
 
-CPU_CAPABILITIES = ("default", "avx2", "avx512")  # ATen's names for x86 instruction-set classes
+# ATen's names for instruction-set classes (ATEN_CPU_CAPABILITY); batchgen's kernels follow the x86 ones
+CPU_CAPABILITIES = ("default", "avx2", "avx512", "zvector", "vsx", "sve256")
 
 
 def cpu_capability() -> str | None:
@@ -54,6 +55,7 @@ def cap_cpu_libraries() -> dict[str, str]:
 def library_caps() -> dict[str, str]:
     """oneDNN's and MKL's caps in this process's environment (set by the user, or by cap_cpu_libraries)."""
     return {var: os.environ[var] for var in LIBRARY_VARS if os.environ.get(var)}
+
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 ROPE_TYPES = ("default", "linear", "llama3")
