@@ -44,6 +44,11 @@ def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, 
     text = format_bench(results, conditions)
     assert "targets (this run):" in text and "vs best peer" in text and conditions["cores"] >= 1
     assert "measured at the start of this run" in text and conditions["peak_read_bytes_per_s"] > 0
+    # the read peak is measured again beside each repeat (per batch and engine group), and each cell
+    # records the one its MBU is against
+    beside = conditions["peak_read_beside_repeats"]
+    assert len(beside) >= 4 and all(b > 0 for b in beside) and "read peak beside each repeat" in text
+    assert all(m.peak_read_bytes_per_s in beside for m in grid)
     assert all(conditions["peak_flops"][d] > 0 for d in ("float32", "bfloat16")) and "GFLOP/s in bfloat16" in text
     assert "pre MFU" in text and conditions["prompt_token_flops"] > 0
     assert "batch 1 decode MBU at the median step, default (native:auto" in text

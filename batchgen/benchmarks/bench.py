@@ -15,7 +15,7 @@ same with oneDNN's matmul in place of batchgen's gemv kernel (`native:onednn`, w
 activations; the last three compiled, warmed up untimed per batch (the compile seconds printed),
 with their greedy agreement with eager fp32 (share of tokens before each row's first divergence).
 The native variants are measured interleaved within each cell, so the machine's drift falls on all
-of them; MBU is against the peak read bandwidth measured at the start of the same run. The
+of them; MBU is against the peak read bandwidth measured again beside each repeat. The
 "pick %" column is the native engine's time choosing tokens (argmax, or the sampler) as a share of
 its decode steps. "pre MFU" is the native engine's prefill: its prompt tokens' matmul FLOPs (2 per
 weight of the layers' matrices) per second over the peak matmul FLOP/s in its dtype, measured at the
@@ -249,7 +249,7 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
               prompt_tokens: int | None = None) -> tuple[list[Measurement], dict]:
     """`prompt_tokens`: every prompt that long (sized_prompt_ids), instead of the held prompts as they are."""
     from batchgen.metrics.conditions import cpu_features, cpu_model, package_versions
-    from batchgen.metrics.probe import cached_probe, probe_device
+    from batchgen.metrics.probe import cached_probe, peak_read, probe_device
     from batchgen.model.tokenizer import Tokenizer
 
     device = "cpu"
@@ -312,6 +312,8 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
     variants = [v for v in variants if v[0].split(":")[0] != "native" or
                 (v[0].split(":") + ["eager"])[1] in native_variants]
 
+    beside: list[float] = []  # the read peak measured beside each repeat of each cell, in order
+
     def measure_cells(group: list[tuple[str, str, Callable, Callable | None]]) -> None:
         """Each batch's cells measured `repeats` times, the median kept. The variants of one engine
         (the native engine's: eager, compiled, best dtype, int4) are measured interleaved, one after
@@ -319,17 +321,21 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
         back, greedy first or sampled first by turns: a shared machine drifts by tens of percent over
         minutes, and a slow patch then falls on every variant and on both modes, not on one.
         `warm_up(b)` first runs the batch once untimed (a compiled engine compiles its buckets there)
-        and returns the seconds compiled."""
+        and returns the seconds compiled. The read peak is measured again before each repeat, and the
+        repeat's MBU is against it (`measure(b, mode, peak)`): the probe at the run's start can fall in
+        a quiet moment of a shared machine and the cells minutes later in a busy one."""
         for b in batches:
             compile_s = {name: warm_up(b) if warm_up else None for name, _, _, warm_up in group}
             runs: dict[tuple[str, str], list[dict]] = {(name, mode): [] for name, *_ in group for mode in modes}
             for rep in range(repeats):
+                peak = peak_read(device) if peak_bw else None
+                beside.append(peak)
                 order = group[rep % len(group):] + group[:rep % len(group)]
                 for i, (name, _, measure, _) in enumerate(order):  # a variant's modes back to back
                     for mode in (modes if (rep + i) % 2 == 0 else modes[::-1]):
-                        got = measure(b, mode)
+                        got = measure(b, mode, peak)
                         if got is not None:  # None: this engine does not run this mode
-                            runs[(name, mode)].append(got)
+                            runs[(name, mode)].append({**got, "peak_read_bytes_per_s": peak})
             for name, dtype, _, _ in group:
                 for mode in modes:
                     if not runs[(name, mode)]:
@@ -342,12 +348,13 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                            {**med, "repeats": len(ms), "compile_s": compile_s[name],
                             "step_itl_p50_s": _median(m.get("itl_p50_s") for m in ms),
                             "decode_mbu_p50": _median(m.get("decode_mbu_p50") for m in ms),
+                            "peak_read_bytes_per_s": _median(m["peak_read_bytes_per_s"] for m in ms),
                             "spread": (rates[-1] - rates[0]) / rates[len(ms) // 2] if len(ms) > 1 else None})
 
     def engine_cell(engine, compiled: bool) -> tuple[Callable, Callable | None]:
-        def measure(b: int, mode: str) -> dict:
+        def measure(b: int, mode: str, peak: float | None) -> dict:
             return run_engine(engine, grid_prompts(b), b,
-                              SamplingParams(max_tokens=new_tokens, ignore_eos=True, **MODES[mode]), peak_bw,
+                              SamplingParams(max_tokens=new_tokens, ignore_eos=True, **MODES[mode]), peak,
                               f"{mode}{b}")
 
         def warm_up(b: int) -> float:
@@ -360,14 +367,14 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
 
     failed: dict[str, str] = {}  # outside peers that died in this run: where, and what they raised
     peers = _peer_cells([e for e in engines if e in PEERS], gguf, model_dir, batches, max_len, kv_tokens, new_tokens,
-                        grid_prompts, peak_bw, log, failed)
+                        grid_prompts, log, failed)
     for engine_name in [e for e in engines if e not in PEERS]:
         group_variants = [v for v in variants if v[0].split(":")[0] == engine_name]
         log(f"{', '.join(f'{n} ({d})' for n, d, *_ in group_variants)} ...")
         if engine_name == "hf":
             runner = HFRunner(model_dir, "float32")
-            measure_cells([("hf", "float32", lambda b, mode: runner.run(grid_prompts(b), b, mode, new_tokens,
-                                                                        peak_bw), None)])
+            measure_cells([("hf", "float32", lambda b, mode, peak: runner.run(grid_prompts(b), b, mode, new_tokens,
+                                                                              peak), None)])
             del runner
             gc.collect()
             continue
@@ -411,6 +418,7 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                   "cpu_features": cpu_features(),
                   "machine": platform.machine(), "cores": os.cpu_count(), "new_tokens": new_tokens, "repeats": repeats,
                   "peak_read_bytes_per_s": peak_bw, "probe": "measured at the start of this run",
+                  "peak_read_beside_repeats": [b for b in beside if b],  # each cell's MBU is against its repeat's
                   "peak_flops": peak_flops, "prompt_token_flops": flops_per_token,
                   "cached_probe_read_bytes_per_s": probe.get("peak_read_bytes_per_s"),
                   "cached_probe": f"{probe.get('probe_source')}, measured {probe.get('probe_measured_at')}",
@@ -447,7 +455,7 @@ def _outlived(name: str, what: str, call: Callable, failed: dict[str, str], log)
         try:
             return call(*args)
         except Exception as e:  # noqa: BLE001 - whatever the peer raised is reported, with its type
-            where = what + (f" batch {args[0]}" if args else "") + "".join(f" {a}" for a in args[1:])
+            where = what + (f" batch {args[0]}" if args else "") + (f" {args[1]}" if len(args) > 1 else "")
             why = f"{where}: {type(e).__name__}: {e}"[:400]
             failed.setdefault(name, why)  # the first failure is the one that ended it
             log(f"{name} failed, left out of the rest of this run ({why})")
@@ -457,15 +465,14 @@ def _outlived(name: str, what: str, call: Callable, failed: dict[str, str], log)
 
 
 def _peer_cells(names: list[str], gguf: list[Path], model_dir, batches: list[int], max_len: int, kv_tokens: int,
-                new_tokens: int, grid_prompts: Callable, peak_bw: float | None, log,
-                failed: dict[str, str]) -> list[tuple[tuple, Callable]]:
+                new_tokens: int, grid_prompts: Callable, log, failed: dict[str, str]) -> list[tuple[tuple, Callable]]:
     """((name, dtype, measure, warm_up), close) for each outside peer that can run here; a line for
     each that cannot. llama.cpp decodes greedily only (its sampled cells stay empty). A peer that
     raises is left out from then on, and said so in `failed` (see _outlived)."""
     cells = []
     for peer in names:
         try:
-            started = _start_peer(peer, gguf, model_dir, batches, max_len, kv_tokens, new_tokens, grid_prompts, peak_bw, log)
+            started = _start_peer(peer, gguf, model_dir, batches, max_len, kv_tokens, new_tokens, grid_prompts, log)
         except Exception as e:  # noqa: BLE001 - a peer that cannot start is reported like one that dies
             failed[peer] = f"starting: {type(e).__name__}: {e}"[:400]
             log(f"{peer} failed, left out of this run ({failed[peer]})")
@@ -478,7 +485,7 @@ def _peer_cells(names: list[str], gguf: list[Path], model_dir, batches: list[int
 
 
 def _start_peer(name: str, gguf: list[Path], model_dir, batches: list[int], max_len: int, kv_tokens: int,
-                new_tokens: int, grid_prompts: Callable, peak_bw: float | None, log) -> list[tuple[tuple, Callable]]:
+                new_tokens: int, grid_prompts: Callable, log) -> list[tuple[tuple, Callable]]:
     """Outside peer `name`'s cells, started: none, with a line, where it cannot run here."""
     from batchgen.benchmarks import peers
     from batchgen.model.loader import read_hf_shape
@@ -493,7 +500,7 @@ def _start_peer(name: str, gguf: list[Path], model_dir, batches: list[int], max_
         if runner.note:
             log(f"llama.cpp: {runner.note}")
 
-        def measure(b: int, mode: str, runner=runner) -> dict | None:
+        def measure(b: int, mode: str, peak_bw: float | None, runner=runner) -> dict | None:
             if mode != "greedy":
                 return None  # llama.cpp's sampler chain is not run here
             m = runner.run(grid_prompts(b), b, new_tokens)
@@ -520,8 +527,8 @@ def _start_peer(name: str, gguf: list[Path], model_dir, batches: list[int], max_
                 4 if dtype == "float32" else 2)
             runner = peers.VllmOwnRunner(model_dir, dtype, max(batches), max_len, kv_bytes)
 
-            def measure(b: int, mode: str, runner=runner) -> dict:
-                return runner.run(grid_prompts(b), b, new_tokens, **MODES[mode])
+            def measure(b: int, mode: str, peak_bw: float | None, runner=runner) -> dict:
+                return runner.run(grid_prompts(b), b, new_tokens, **MODES[mode])  # no per-step times: no MBU
 
             cells.append(((f"vllm-generate:{'fp32' if dtype == 'float32' else 'bf16'}", dtype, measure, None),
                           runner.close))

@@ -19,7 +19,8 @@ from batchgen.config import batchgen_home
 PROBE_VERSION = 1  # bump when the measurement changes, so old cached figures are not reused
 
 
-def probe_device(device: str = "cpu", mib: int = 256, repeats: int = 3) -> dict[str, float]:
+def _best_seconds(fn, device, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of fn (after one untimed)."""
     import torch
 
     dev = torch.device(device)
@@ -28,27 +29,39 @@ def probe_device(device: str = "cpu", mib: int = 256, repeats: int = 3) -> dict[
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    def best(fn) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
         fn()
         sync()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
-    x = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32, device=dev)
-    read_s = best(lambda: x.sum())  # STREAM-like: one pass reading every byte
+
+def peak_read(device: str = "cpu", mib: int = 256, repeats: int = 3) -> float:
+    """Read bandwidth in bytes/s: the best of `repeats` STREAM-like passes summing a `mib` MiB buffer
+    (a fraction of a second); a bench measures it again beside each repeat, as a shared machine drifts."""
+    import torch
+
+    x = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32, device=torch.device(device))
+    return x.numel() * 4 / _best_seconds(lambda: x.sum(), device, repeats)
+
+
+def probe_device(device: str = "cpu", mib: int = 256, repeats: int = 3) -> dict[str, float]:
+    import torch
+
+    dev = torch.device(device)
+    read = peak_read(device, mib, repeats)
     n = 2048 if dev.type == "cpu" else 8192
     a = torch.randn(512 if dev.type == "cpu" else n, n, device=dev)
     b = torch.randn(n, n, device=dev)
-    mm_s = best(lambda: a @ b)
+    mm_s = _best_seconds(lambda: a @ b, device, repeats)
     a16, b16 = a.bfloat16(), b.bfloat16()  # bf16's own peak (AMX or AVX512_BF16 where the CPU has them)
-    mm16_s = best(lambda: a16 @ b16)
+    mm16_s = _best_seconds(lambda: a16 @ b16, device, repeats)
     flops = 2 * a.shape[0] * n * n
-    return {"peak_read_bytes_per_s": x.numel() * 4 / read_s, "peak_flops_fp32": flops / mm_s,
+    return {"peak_read_bytes_per_s": read, "peak_flops_fp32": flops / mm_s,
             "peak_flops_bfloat16": flops / mm16_s, "probe_buffer_mib": mib}
 
 
