@@ -99,6 +99,29 @@ def test_prompts_of_a_set_length_for_the_prefill_target(tiny_model_dir):
     assert all(m.tokens == m.prompts * 2 for m in results if m.section == "grid")
 
 
+def test_the_grid_prompts_are_few_shot_chat_prompts_of_100_to_500_tokens(tiny_model_dir):
+    """The bench's default prompts are of real length, as a dataset-generation job writes them: held
+    tasks with their answers as examples, then a task to answer; 100 to 500 tokens, lengths spread over
+    the range, and no two starting with the same example (no prefix cache serves one from another)."""
+    from batchgen.benchmarks.bench import PROMPT_TOKENS, held_prompt_ids, held_tasks
+    from batchgen.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_model_dir)
+    ids = held_prompt_ids(tok, 256)  # past the 175 tasks as well
+    lengths = [len(p) for p in ids]
+    assert all(PROMPT_TOKENS[0] <= n <= PROMPT_TOKENS[1] for n in lengths), (min(lengths), max(lengths))
+    assert sum(n < 200 for n in lengths) >= 20 and sum(n > 400 for n in lengths) >= 20  # spread, not bunched
+    x = tok.encode(tok.apply_chat_template([{"role": "user", "content": "x"}]))
+    head = x[:x.index(tok.encode("x")[0])]
+    firsts = {tok.decode(p[len(head):]).split("\nAnswer: ")[0] for p in ids}  # (a variant number and) the first example
+    assert len(firsts) == 256  # every message starts its own way
+    tasks = held_tasks()
+    assert len(tasks) == 175 and all(t and a for t, a in tasks)
+    text = tok.decode(ids[7])
+    assert text.count("Answer:") >= 2 and text.rstrip().endswith(tok.decode(x[-3:]).rstrip())  # examples, then the turn
+    assert any(a in text for _, a in tasks)  # an example's real answer is shown
+
+
 def test_a_peer_that_is_not_installed_is_left_out_with_a_line(tiny_model_dir, monkeypatch):
     """llama.cpp and vLLM's own generate are optional peers: a run without them says so and goes on."""
     import sys

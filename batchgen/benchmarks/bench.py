@@ -4,8 +4,9 @@
 
 For each batch size B (B requests in flight: B prompts at a time, at least MIN_PROMPTS in all) and each
 mode (greedy; sampled at T 0.7, top-p 0.95), every engine generates `--new-tokens` tokens per prompt
-(ignore_eos) from the same chat-templated prompts: real instructions of mixed length, 40 to 256
-tokens (Stanford Alpaca's 175 seed tasks, CC BY-NC, shipped in batchgen/benchmarks/data). It prints tok/s, ITL
+(ignore_eos) from the same chat-templated prompts of 100 to 500 tokens, written as a dataset-generation
+job writes them: worked examples, then a task to answer (few_shot_prompt_ids; Stanford Alpaca's 175 seed
+tasks with their answers, CC BY-NC, shipped in batchgen/benchmarks/data). It prints tok/s, ITL
 p50/p95/p99 (per-token gaps after the first, pooled), MBU (bytes read per second over the peak the
 hardware probe measured; over the whole run, and over the decode-only steps, which are the
 memory-bound part) and the ratio to the best peer in the same row group. The native engine
@@ -44,8 +45,9 @@ from batchgen.config import ENGINES, EngineConfig, SamplingParams
 
 HELD_PROMPTS = Path(__file__).parent / "data" / "held_prompts.parquet"
 MIN_PROMPTS = 4  # batch 1 runs four prompts one after another
-MAX_PROMPT_TOKENS = 256  # longer held prompts are left out: one 1350-token prompt would make HF pad its
-# whole batch to 1350 (its real cost, but it would measure padding, and take an hour at batch 256)
+# the same seed tasks with their answers (CC BY-NC, the licence beside it), for the grid's few-shot prompts
+HELD_TASKS = Path(__file__).parent / "data" / "held_tasks.jsonl"
+PROMPT_TOKENS = (100, 500)  # the grid's chat prompts span this many tokens, as real dataset-generation prompts do
 MODES = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p=0.95)}
 # the native engine's variants (`--native-variants`): fp32 eager; compiled; compiled on oneDNN's fp32
 # kernel; --dtype auto (batch-invariant, the default); --dtype auto --batch-invariant off (`loose`: the
@@ -69,11 +71,56 @@ def chat_ids(tok, texts: list[str]) -> list[list[int]]:
 
 
 def held_prompt_ids(tok, n: int, length: int | None = None) -> list[list[int]]:
-    """The first n held prompts as chat prompts of at most MAX_PROMPT_TOKENS tokens (the bench's); or,
+    """The bench's n chat prompts: few-shot prompts of PROMPT_TOKENS tokens (few_shot_prompt_ids); or,
     with `length`, n chat prompts of `length` tokens (sized_prompt_ids)."""
     if length is not None:
         return sized_prompt_ids(tok, n, length)
-    return [p for p in chat_ids(tok, held_prompts(2 * n)) if len(p) <= MAX_PROMPT_TOKENS][:n]
+    return few_shot_prompt_ids(tok, n)
+
+
+def held_tasks() -> list[tuple[str, str]]:
+    """(task, answer) for each held seed task: its instruction (and input), and its first answer."""
+    import json
+
+    out = []
+    for line in HELD_TASKS.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            first = row["instances"][0]
+            out.append((row["instruction"] + (f"\n\n{first['input']}" if first["input"] else ""), first["output"]))
+    return out
+
+
+def few_shot_prompt_ids(tok, n: int, lo: int = PROMPT_TOKENS[0], hi: int = PROMPT_TOKENS[1]) -> list[list[int]]:
+    """n chat prompts of lo to hi tokens, as a dataset-generation job writes them (self-instruct style):
+    worked examples (held tasks with their answers), then a task to answer. The examples are the held
+    tasks that take at most (hi - lo) / 2 tokens; prompt i starts at example i and adds the next ones
+    while it stays within hi, until it reaches its own target length (the targets spread evenly over
+    lo..hi); it asks the i-th task that fits. No two prompts start with the same example, so no prefix
+    cache serves one from another (past the examples' count, a variant number leads the message)."""
+    tasks = held_tasks()
+    frame = len(chat_ids(tok, ["x"])[0])
+    cost = [len(tok.encode(f"Task: {t}\nAnswer: {a}\n\n")) for t, a in tasks]
+    examples = [k for k in range(len(tasks)) if cost[k] <= (hi - lo) // 2]
+    asks = [k for k in range(len(tasks)) if frame + 16 + len(tok.encode(f"Task: {tasks[k][0]}\nAnswer:")) <= lo]
+    out = []
+    for i in range(n):
+        target, ask = lo + (i * 211) % (hi - lo + 1), asks[i % len(asks)]
+        if ask == examples[i % len(examples)]:  # the first example is prompt i's own; ask another task
+            ask = asks[(i + 1) % len(asks)]
+        head = f"(variant {i // len(examples)})\n\n" if i >= len(examples) else ""
+        tail = f"Task: {tasks[ask][0]}\nAnswer:"
+        size, shown = frame + len(tok.encode(head + tail)), []
+        for j in range(len(examples)):
+            k = examples[(i + j) % len(examples)]
+            if size >= target and shown:
+                break
+            if k != ask and size + cost[k] <= hi - 8:  # 8: the joins can encode a few tokens longer
+                shown.append(k)
+                size += cost[k]
+        message = head + "".join(f"Task: {tasks[k][0]}\nAnswer: {tasks[k][1]}\n\n" for k in shown) + tail
+        out.append(chat_ids(tok, [message])[0])
+    return out
 
 
 def sized_prompt_ids(tok, n: int, length: int) -> list[list[int]]:
@@ -247,7 +294,8 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
               speculative_k: int = 4, spec_batch: int = 8, log=print,
               repeats: int = 1, native_variants: tuple[str, ...] = NATIVE_VARIANTS,
               prompt_tokens: int | None = None) -> tuple[list[Measurement], dict]:
-    """`prompt_tokens`: every prompt that long (sized_prompt_ids), instead of the held prompts as they are."""
+    """`prompt_tokens`: every prompt that long (sized_prompt_ids), instead of the few-shot prompts of
+    100 to 500 tokens (few_shot_prompt_ids)."""
     from batchgen.metrics.conditions import cpu_features, cpu_model, package_versions
     from batchgen.metrics.probe import cached_probe, peak_read, probe_device
     from batchgen.model.tokenizer import Tokenizer
@@ -268,12 +316,15 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
     most = max(max(batches), MIN_PROMPTS)
     held = held_prompt_ids(tok, most, prompt_tokens)
     max_len = max(len(p) for p in held) + new_tokens + 8
-    # KV for the largest batch's rows in flight at once (each padded to whole 16-position blocks)
-    kv_tokens = max(sum(len(p) + new_tokens + 32 for p in held[:b]) for b in batches)
     results: list[Measurement] = []
 
     def grid_prompts(b: int) -> list[list[int]]:
         return held[:max(b, MIN_PROMPTS)]
+
+    # KV for the b longest of a batch's prompts in flight at once (each padded to whole 16-position blocks;
+    # batch 1 runs MIN_PROMPTS one after another, and the longest must fit)
+    kv_tokens = max(sum(sorted((len(p) + new_tokens + 32 for p in grid_prompts(b)), reverse=True)[:b])
+                    for b in batches)
 
     def record(m: Measurement, extra: dict) -> Measurement:
         for k, v in extra.items():
@@ -424,7 +475,7 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                   "cached_probe": f"{probe.get('probe_source')}, measured {probe.get('probe_measured_at')}",
                   "torch_threads": _threads(), "packages": package_versions(), "peers_failed": failed,
                   "prompts": (f"chat prompts of {prompt_tokens} tokens (held instructions joined and cut)"
-                              if prompt_tokens else f"the held chat prompts, {min(map(len, held))} to "
+                              if prompt_tokens else f"few-shot chat prompts of the held tasks, {min(map(len, held))} to "
                                                     f"{max(map(len, held))} tokens")}
     if "llama.cpp" in engines and "llama.cpp" not in failed:
         from batchgen.benchmarks import peers as outside

@@ -1,6 +1,6 @@
 """`python -m batchgen.benchmarks.vllm_wrapper`: vLLM through batchgen against vLLM's own `LLM.generate`.
 
-The same model, dtype, prompts (the held chat prompts, 100-400 tokens), new tokens (greedy, EOS
+The same model, dtype, prompts (the bench's few-shot chat prompts, 100-500 tokens), new tokens (greedy, EOS
 ignored), max_num_seqs and KV memory, in one process and one run:
 
 - `vLLM LLM.generate`: vLLM's offline API as its users call it, vLLM's defaults (its compiled CPU path);
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         for e in engines:
             e.close()
     c = engines[0].conditions()
-    print(f"conditions: {args.batch} held chat prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
+    print(f"conditions: {args.batch} few-shot chat prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
           f"{args.new_tokens} new tokens, greedy, EOS ignored, {args.dtype}, max_num_seqs {args.batch}, KV for every "
           f"row; vLLM {c['engine_version']} on {cpu_model()} ({cpu_features()}); "
           f"median of {args.repeats} repeats, variants taking turns")
