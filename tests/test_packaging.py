@@ -22,7 +22,7 @@ def test_the_wheel_reports_from_outside_the_repo(tmp_path, tiny_model_dir):
     wheel = next(dist.glob("batchgen-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "batchgen/sql/views.sql" in names and "batchgen/sql/throughput.sql" in names
-    assert "batchgen/benchmarks/data/held_prompts.parquet" in names
+    assert "batchgen/benchmarks/data/held_tasks.jsonl" in names
     # the C++ kernels' sources (fp32 matmul, sampler): built on the machine that runs them
     assert {"batchgen/kernels/gemv.cpp", "batchgen/kernels/sample.cpp"} <= set(names)
     site = tmp_path / "site"

@@ -43,7 +43,6 @@ from typing import Callable
 from batchgen.benchmarks.bench_results import Measurement, compare
 from batchgen.config import ENGINES, EngineConfig, SamplingParams
 
-HELD_PROMPTS = Path(__file__).parent / "data" / "held_prompts.parquet"
 MIN_PROMPTS = 4  # batch 1 runs four prompts one after another
 # the same seed tasks with their answers (CC BY-NC, the licence beside it), for the grid's few-shot prompts
 HELD_TASKS = Path(__file__).parent / "data" / "held_tasks.jsonl"
@@ -57,11 +56,9 @@ COPY_TEMPLATE = "Repeat the following text exactly, word for word, and nothing e
 
 
 def held_prompts(n: int) -> list[str]:
-    """The first n held prompts; past the 175, again with a variant number (so no two share a prefix
-    that a prefix cache could serve)."""
-    import pyarrow.parquet as pq
-
-    base = pq.read_table(HELD_PROMPTS, columns=["prompt"]).column("prompt").to_pylist()
+    """The first n held prompts (the held tasks without their answers); past the 175, again with a
+    variant number (so no two share a prefix that a prefix cache could serve)."""
+    base = [task for task, _ in held_tasks()]
     return [base[i] if i < len(base) else f"(variant {i // len(base)}) {base[i % len(base)]}" for i in range(n)]
 
 
