@@ -26,24 +26,24 @@ def op():
     return torch.ops.batchgen_attention.paged
 
 
-def plan(chunks, width, keys, seed=0):
+def plan(chunks, width, keys, seed=0, bs=BS):
     """A tile group over `chunks` [(start, num_tokens)], each with shuffled blocks (the caches are only
     read, so chunks may share blocks), and the step's token count."""
     gen = torch.Generator().manual_seed(seed)
     b, base = _TileBuilder(width), 0
     for start, n in chunks:
-        nb = (start + n - 1) // BS + 1
+        nb = (start + n - 1) // bs + 1
         table = torch.randperm(BLOCKS, generator=gen)[:nb].tolist()
-        b.add(SimpleNamespace(start=start, num_tokens=n), base, table, BS, max(1, keys // BS))
+        b.add(SimpleNamespace(start=start, num_tokens=n), base, table, bs, max(1, keys // bs))
         base += n
     return b.group({"dtype": torch.long, "device": "cpu"}), base
 
 
-def tensors(T, dtype, seed=1):
+def tensors(T, dtype, seed=1, bs=BS):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(T, HKV, G, D, generator=gen).to(dtype)
-    k = torch.randn(BLOCKS, HKV, BS, D, generator=gen).to(dtype)
-    v = torch.randn(BLOCKS, HKV, BS, D, generator=gen).to(dtype)
+    k = torch.randn(BLOCKS, HKV, bs, D, generator=gen).to(dtype)
+    v = torch.randn(BLOCKS, HKV, bs, D, generator=gen).to(dtype)
     return q, k, v
 
 
@@ -74,6 +74,91 @@ def test_kernel_matches_the_pytorch_path(op, case, dtype, tol):
     assert got.dtype == dtype and got.shape == ref.shape
     # the PyTorch path rounds scores and weights to a low-precision dtype where the kernel keeps float32
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("bs", [16, 64])
+@pytest.mark.parametrize("case", CASES)
+def test_bfloat16_on_other_block_sizes_matches_float32(op, case, bs):
+    """bfloat16 caches (on AVX512_BF16, the pair path: groups of 32 positions over blocks of 16, or
+    within blocks of 64) against the PyTorch path in float32 on the same bfloat16 values: within
+    bfloat16's rounding of the output and of the weights; closer than the PyTorch path in bfloat16."""
+    chunks, width, keys = CASES[case]
+    g, T = plan(chunks, width, keys, bs=bs)
+    q, k, v = tensors(T, torch.bfloat16, bs=bs)
+    got, _ = both(op, g, q, k, v)
+    bf16 = _tile_attention(q[g.token_idx], g, k, v, D ** -0.5)
+    ref = _tile_attention(q[g.token_idx].float(), g, k.float(), v.float(), D ** -0.5)
+    if g.valid is not None:
+        bf16, ref = bf16[g.valid], ref[g.valid]
+    err = (got.float() - ref).abs().max().item()
+    assert err < 2e-2 and err <= (bf16.float() - ref).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_attention_is_the_same_in_a_decode_step_a_prompt_chunk_and_a_verify_tile(op, dtype):
+    """One token at position 200 (blocks of 16): as a decode row, as a prompt chunk's row (its own tile
+    of 64 rows, beside other prompts), and inside a speculative-verify tile: bit for bit the same
+    (a preempted sequence recomputes its tokens as a prompt, and must write the same KV)."""
+    gen = torch.Generator().manual_seed(7)
+    k = torch.randn(BLOCKS, HKV, 16, D, generator=gen).to(dtype)
+    v = torch.randn(BLOCKS, HKV, 16, D, generator=gen).to(dtype)
+    row = torch.randn(1, HKV, G, D, generator=gen).to(dtype)
+    table = torch.randperm(BLOCKS, generator=gen)[:13].tolist()  # positions 0..207
+    outs = []
+    for width, keys, start, n in [(1, DECODE_KEYS, 200, 1), (PREFILL_TILE, PREFILL_KEYS, 150, 51), (4, DECODE_KEYS, 198, 4)]:
+        b = _TileBuilder(width)
+        b.add(SimpleNamespace(start=7, num_tokens=30), 0, torch.randperm(BLOCKS, generator=gen)[:3].tolist(), 16,
+              max(1, keys // 16))  # another request's chunk first
+        b.add(SimpleNamespace(start=start, num_tokens=n), 30, table, 16, max(1, keys // 16))
+        g = b.group({"dtype": torch.long, "device": "cpu"})
+        q = torch.randn(30 + n, HKV, G, D, generator=gen).to(dtype)
+        at = 30 + (200 - start)  # the token at position 200
+        q[at] = row[0]
+        out = op(q[g.token_idx], k, v, g.q_pos, g.pair_tile, g.pair_blocks, g.pair_pos0, 0.125, 0, 0.0)
+        where = (g.token_idx == at) & (g.valid if g.valid is not None else True)
+        outs.append(out[where][0])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_bfloat16_rows_do_not_depend_on_their_batch_or_threads(op):
+    """The bf16 path's batch invariance: a decode row alone (a task per KV head) or among 63 others (a
+    task per tile, all its heads), on one or two threads; a prompt chunk alone or after another's."""
+    q, k, v = tensors(64, torch.bfloat16, bs=16)
+    lone, _ = plan([(137, 1)], 1, DECODE_KEYS, seed=3, bs=16)
+    crowd, _ = plan([(137, 1)] + [(7 * i, 1) for i in range(1, 64)], 1, DECODE_KEYS, seed=3, bs=16)
+    a = op(q[lone.token_idx], k, v, lone.q_pos, lone.pair_tile, lone.pair_blocks, lone.pair_pos0, 0.125, 0, 0.0)
+    threads = torch.get_num_threads()
+    try:
+        for n in {1, threads, 2}:
+            torch.set_num_threads(n)
+            b = op(q[crowd.token_idx], k, v, crowd.q_pos, crowd.pair_tile, crowd.pair_blocks, crowd.pair_pos0,
+                   0.125, 0, 0.0)
+            assert torch.equal(a[0], b[0])
+    finally:
+        torch.set_num_threads(threads)
+    lone, _ = plan([(0, 100)], PREFILL_TILE, PREFILL_KEYS, seed=5, bs=16)
+    mixed, _ = plan([(0, 100), (0, 30)], PREFILL_TILE, PREFILL_KEYS, seed=5, bs=16)
+    a = op(q.repeat(2, 1, 1, 1)[lone.token_idx], k, v, lone.q_pos, lone.pair_tile, lone.pair_blocks,
+           lone.pair_pos0, 0.125, 0, 0.0)
+    b = op(q.repeat(3, 1, 1, 1)[mixed.token_idx], k, v, mixed.q_pos, mixed.pair_tile, mixed.pair_blocks,
+           mixed.pair_pos0, 0.125, 0, 0.0)
+    assert torch.equal(a[lone.valid], b[:2][lone.valid])
+
+
+def test_bfloat16_reads_no_slot_past_the_tiles_last_position(op):
+    """The pair path packs whole groups of 32 positions: the slots past the last query's position (here
+    the rest of a block whose tail holds NaN, and the pair's unused blocks) must be neither read
+    into a weight nor into the output."""
+    g, T = plan([(0, 20)], PREFILL_TILE, PREFILL_KEYS, bs=16)  # positions 0..19: block 0 whole, block 1 part
+    q, k, v = tensors(T, torch.bfloat16, bs=16)
+    clean = op(q[g.token_idx], k, v, g.q_pos, g.pair_tile, g.pair_blocks, g.pair_pos0, D ** -0.5, 0, 0.0)
+    blocks = g.pair_blocks[0].tolist()
+    k[blocks[1], :, 4:], v[blocks[1], :, 4:] = float("nan"), float("nan")  # slots 20..31
+    poison = next(b for b in range(BLOCKS) if b not in blocks[:2])
+    g.pair_blocks[0, 2:] = poison
+    k[poison], v[poison] = float("nan"), float("nan")
+    out = op(q[g.token_idx], k, v, g.q_pos, g.pair_tile, g.pair_blocks, g.pair_pos0, D ** -0.5, 0, 0.0)
+    assert torch.equal(out, clean) and not out.isnan().any()
 
 
 @pytest.mark.parametrize("window,softcap", [(5, None), (None, 3.0), (70, 50.0)])

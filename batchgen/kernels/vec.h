@@ -25,7 +25,7 @@ inline vec splat(float x) { return vec{} + x; }
 // e^x on a vector, float32: x = n ln2 + r (|r| <= ln2 / 2), e^r by its degree-6 Taylor polynomial
 // (relative error ~2e-7, float32's own rounding), times 2^n set in the exponent bits. x below -87
 // gives 0 (its true value is under float32's normal range), so a softmax weight never overflows.
-inline vec vexp(vec x) {
+__attribute__((always_inline)) inline vec vexp(vec x) {
   const vec lo = splat(-87.f), hi = splat(88.f);
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
