@@ -297,3 +297,19 @@ def test_a_failed_build_is_recorded_and_not_retried(tmp_path):
         assert len(lines) == 2 and lines[0] == lines[1] and "build failed: error: no such thing" in lines[0], out
     assert calls.read_text().splitlines() == ["called"]  # built once, in the first process; then the record
     assert [p.suffix for p in (tmp_path / "k").iterdir()] == [".failed"]
+
+
+def test_the_op_benchmark_times_the_kernel_and_the_pytorch_path(op, capsys):
+    """`python -m batchgen.benchmarks.attention_op`: both paths timed in one run, on the engine's own
+    plan, with the FLOPs counted from the contexts; the table and its conditions printed."""
+    from batchgen.benchmarks import attention_op
+
+    m = attention_op.measure("decode", torch.bfloat16, 3, 300, layers=1, repeats=1)
+    assert m["rows"] == 3 and 150 <= m["mean_context"] <= 560 and m["kernel"] > 0 and m["torch"] > 0
+    assert m["flops"] == pytest.approx(4 * 3 * m["mean_context"] * 3 * 3 * 64)  # 3 rows of their contexts, 9 query heads
+    m = attention_op.measure("prefill", torch.float32, 3, 300, layers=1, repeats=1)
+    assert m["tokens"] == 300 and m["kernel"] > 0
+    assert attention_op.main(["--batch", "3", "--prefill-tokens", "300", "--layers", "1", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("decode", "prefill"))]
+    assert "torch threads" in out and len(rows) == 2 and all(line.endswith("x") for line in rows)
