@@ -11,8 +11,9 @@
 //
 // bfloat16 caches on a CPU with AVX512_BF16 take the pair path (attend_bdot, below): groups of 32
 // positions, keys packed so that one `vdpbf16ps` scores a pair of dims for 16 keys, the weights rounded
-// to bfloat16 before they multiply the values (as FlashAttention does); 1.7x the float32 fold on a
-// prompt chunk on a Zen 4. A decode tile reads its blocks a word a line ahead of its folds, so their
+// to bfloat16 before they multiply the values (as FlashAttention does). A prompt chunk's rows take a
+// group in passes over all of them (scores, weights, values), so that one row's latency hides behind
+// the others' work: a 4,096-token prefill step's attention 319 -> 250 ms on a 2-core Zen 4. A decode tile reads its blocks a word a line ahead of its folds, so their
 // lines arrive while it computes (prefetch instructions did not, measured): batch-64 decode attention
 // of SmolLM2-135M on prompts of 146-498 tokens went from 45 to 29 ms a step on a 2-core Zen 4.
 //
@@ -297,11 +298,25 @@ inline void pack(const c10::BFloat16* const* k, const c10::BFloat16* const* v, i
     }
 }
 
-// R query rows (a token's query heads, bf16 [D] at q[r]) against one packed group, slots visible in
-// `mask`: fold into each row's running max m, sum l (per lane: l [R][16]) and output acc [R][D] (float32).
+// A group is folded into a KV head's rows in three passes, each over all its rows (every token of the
+// tile that sees the group, every query head of the KV head), so that a row's long dependency chains (its scores' 32-wide
+// max, the exponentials, the weights' rounding) overlap other rows' work instead of waiting in line:
+//   scores: R rows of one KV head (bf16 [D] at q[r]) against the packed keys -> s [R][32] (float32);
+//   weigh:  each row's scaled, masked scores -> its new running max, alpha = e^(m_old - m_new), its
+//           32 weights rounded to bf16 (pairs, p [16] dwords), and its per-lane sum l [16];
+//   values: R rows' weights times the packed values, into acc (rescaled by alpha), CB vectors of 16
+//           dims at a time.
+// Every row runs the same operations whatever the rows beside it (R only shares loads), whether its
+// group is taken in passes or, for a decode tile's few rows, in one fold of the same steps.
+constexpr int MAX_RB = 6;  // rows a pass takes side by side
+
+template <typename U>
+U* aligned64(U* p) {  // the first 64-byte boundary at or after p (its buffer has 64 bytes to spare)
+  return reinterpret_cast<U*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+}  // rows a pass takes side by side
+
 template <int R>
-inline void fold(const c10::BFloat16* const* q, const uint32_t* kp, const uint32_t* vp, int64_t D, __mmask32 mask,
-                 float scale, float cap, float* m, float* l, float* acc) {
+inline void scores(const c10::BFloat16* const* q, const uint32_t* kp, int64_t D, float* s) {
   __m512 s0[R], s1[R];  // keys 0-15 and 16-31
   for (int r = 0; r < R; ++r) s0[r] = _mm512_setzero_ps(), s1[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < D / 2; ++i) {
@@ -312,47 +327,89 @@ inline void fold(const c10::BFloat16* const* q, const uint32_t* kp, const uint32
       s1[r] = _mm512_dpbf16_ps(s1[r], qi, k1);
     }
   }
+  for (int r = 0; r < R; ++r) _mm512_store_ps(s + r * KG, s0[r]), _mm512_store_ps(s + r * KG + LANES, s1[r]);
+}
+
+// one row's scores s [32] (scaled, squashed, masked in place) -> its new max in m, m_old - m_new in delta
+inline void row_max(float* s, __mmask32 mask, float scale, float cap, float& m, float& delta) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), sc = _mm512_set1_ps(scale);
-  alignas(64) uint32_t pp[R][KG / 2];
-  float alpha[R];
-  for (int r = 0; r < R; ++r) {
-    __m512 x0 = _mm512_mul_ps(s0[r], sc), x1 = _mm512_mul_ps(s1[r], sc);
-    if (cap > 0.f) {  // Gemma 2: scores squashed into (-cap, cap)
-      alignas(64) float t[KG];
-      _mm512_store_ps(t, x0);
-      _mm512_store_ps(t + LANES, x1);
-      for (int j = 0; j < KG; ++j) t[j] = std::tanh(t[j] / cap) * cap;
-      x0 = _mm512_load_ps(t);
-      x1 = _mm512_load_ps(t + LANES);
-    }
-    x0 = _mm512_mask_mov_ps(ninf, static_cast<__mmask16>(mask), x0);
-    x1 = _mm512_mask_mov_ps(ninf, static_cast<__mmask16>(mask >> 16), x1);
-    const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
-    alpha[r] = std::exp(m[r] - m_new);  // 0 on the row's first group (m = -inf)
-    m[r] = m_new;
-    const __m512 mv = _mm512_set1_ps(m_new);
-    const vec e0 = vexp((vec)_mm512_sub_ps(x0, mv)), e1 = vexp((vec)_mm512_sub_ps(x1, mv));  // masked -> 0
-    const __m512i pb = _mm512_castps_si512((__m512)_mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0));  // keys 0..31
-    _mm512_store_si512(pp[r], pb);
-    const __m512i bits = _mm512_set1_epi32(0xffff0000);  // each pair's two weights, back to float32
-    const __m512 w_even = _mm512_castsi512_ps(_mm512_slli_epi32(pb, 16)), w_odd = _mm512_castsi512_ps(_mm512_and_si512(pb, bits));
-    _mm512_storeu_ps(l + r * LANES, _mm512_fmadd_ps(_mm512_loadu_ps(l + r * LANES), _mm512_set1_ps(alpha[r]),
-                                                    _mm512_add_ps(w_even, w_odd)));
+  __m512 x0 = _mm512_mul_ps(_mm512_load_ps(s), sc), x1 = _mm512_mul_ps(_mm512_load_ps(s + LANES), sc);
+  if (cap > 0.f) {  // Gemma 2: scores squashed into (-cap, cap)
+    alignas(64) float t[KG];
+    _mm512_store_ps(t, x0);
+    _mm512_store_ps(t + LANES, x1);
+    for (int j = 0; j < KG; ++j) t[j] = std::tanh(t[j] / cap) * cap;
+    x0 = _mm512_load_ps(t);
+    x1 = _mm512_load_ps(t + LANES);
   }
-  for (int64_t c = 0; c < D; c += LANES) {
-    __m512 o[R];
-    for (int r = 0; r < R; ++r) o[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + c), _mm512_set1_ps(alpha[r]));
+  x0 = _mm512_mask_mov_ps(ninf, static_cast<__mmask16>(mask), x0);
+  x1 = _mm512_mask_mov_ps(ninf, static_cast<__mmask16>(mask >> 16), x1);
+  _mm512_store_ps(s, x0);
+  _mm512_store_ps(s + LANES, x1);
+  const float m_new = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+  delta = m - m_new;  // -inf on the row's first group (m = -inf): alpha 0
+  m = m_new;
+}
+
+// one row's masked scores s [32], max m, alpha -> weights p [16] (bf16 pairs), per-lane sum l [16]
+inline void row_weights(const float* s, float m, float alpha, uint32_t* p, float* l) {
+  const __m512 mv = _mm512_set1_ps(m);
+  const vec e0 = vexp((vec)_mm512_sub_ps(_mm512_load_ps(s), mv)), e1 = vexp((vec)_mm512_sub_ps(_mm512_load_ps(s + LANES), mv));
+  const __m512i pb = _mm512_castps_si512((__m512)_mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0));  // masked -> 0
+  _mm512_store_si512(p, pb);
+  const __m512i bits = _mm512_set1_epi32(0xffff0000);  // each pair's two weights, back to float32
+  const __m512 w_even = _mm512_castsi512_ps(_mm512_slli_epi32(pb, 16)), w_odd = _mm512_castsi512_ps(_mm512_and_si512(pb, bits));
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), _mm512_set1_ps(alpha), _mm512_add_ps(w_even, w_odd)));
+}
+
+template <int R, int CB>
+inline void values(const uint32_t* p, const float* alpha, const uint32_t* vp, int64_t D, float* const* acc) {
+  for (int64_t c = 0; c < D; c += CB * LANES) {
+    __m512 o[R][CB];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < CB; ++b) o[r][b] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + c + b * LANES), _mm512_set1_ps(alpha[r]));
     for (int64_t j = 0; j < KG / 2; ++j) {
-      const __m512bh vv = (__m512bh)_mm512_loadu_si512(vp + j * D + c);
-      for (int r = 0; r < R; ++r) o[r] = _mm512_dpbf16_ps(o[r], (__m512bh)_mm512_set1_epi32(pp[r][j]), vv);
+      __m512bh vv[CB];
+      for (int b = 0; b < CB; ++b) vv[b] = (__m512bh)_mm512_loadu_si512(vp + j * D + c + b * LANES);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(p[r * (KG / 2) + j]);
+        for (int b = 0; b < CB; ++b) o[r][b] = _mm512_dpbf16_ps(o[r][b], w, vv[b]);
+      }
     }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * D + c, o[r]);
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < CB; ++b) _mm512_storeu_ps(acc[r] + c + b * LANES, o[r][b]);
   }
 }
 
-using Fold = void (*)(const c10::BFloat16* const*, const uint32_t*, const uint32_t*, int64_t, __mmask32, float, float,
-                      float*, float*, float*);
-constexpr Fold FOLDS[] = {nullptr, &fold<1>, &fold<2>, &fold<3>, &fold<4>};
+// the four steps for R rows (indices act[0..R) into q rows, m, l [16] and acc [D]) in one go: a decode
+// tile's few rows, whose passes would otherwise cost more in loops than they overlap (measured)
+template <int R, int CB>
+inline void fold(const int64_t* act, const __mmask32* mask, const c10::BFloat16* const* rows, const uint32_t* kp,
+                 const uint32_t* vp, int64_t D, float scale, float cap, float* m, float* l, float* acc) {
+  alignas(64) float s[R * KG], delta[LANES] = {}, alpha[LANES];
+  alignas(64) uint32_t p[R * KG / 2];
+  const c10::BFloat16* q[R];
+  float* a[R];
+  for (int r = 0; r < R; ++r) q[r] = rows[act[r]], a[r] = acc + act[r] * D;
+  scores<R>(q, kp, D, s);
+  for (int r = 0; r < R; ++r) row_max(s + r * KG, mask[r], scale, cap, m[act[r]], delta[r]);
+  store(alpha, vexp(load(delta)));
+  for (int r = 0; r < R; ++r) row_weights(s + r * KG, m[act[r]], alpha[r], p + r * (KG / 2), l + act[r] * LANES);
+  values<R, CB>(p, alpha, vp, D, a);
+}
+
+using Scores = void (*)(const c10::BFloat16* const*, const uint32_t*, int64_t, float*);
+using Values = void (*)(const uint32_t*, const float*, const uint32_t*, int64_t, float* const*);
+constexpr Scores SCORES[] = {nullptr, &scores<1>, &scores<2>, &scores<3>, &scores<4>, &scores<5>, &scores<6>};
+// [CB / 2 - 1][R]: D a multiple of 64 takes four vectors of output at a time, else two
+constexpr Values VALUES[2][7] = {
+    {nullptr, &values<1, 2>, &values<2, 2>, &values<3, 2>, &values<4, 2>, &values<5, 2>, &values<6, 2>},
+    {nullptr, &values<1, 4>, &values<2, 4>, &values<3, 4>, &values<4, 4>, &values<5, 4>, &values<6, 4>}};
+using Fold = void (*)(const int64_t*, const __mmask32*, const c10::BFloat16* const*, const uint32_t*, const uint32_t*,
+                      int64_t, float, float, float*, float*, float*);
+constexpr Fold FOLDS[2][7] = {
+    {nullptr, &fold<1, 2>, &fold<2, 2>, &fold<3, 2>, &fold<4, 2>, &fold<5, 2>, &fold<6, 2>},
+    {nullptr, &fold<1, 4>, &fold<2, 4>, &fold<3, 4>, &fold<4, 4>, &fold<5, 4>, &fold<6, 4>}};
 
 }  // namespace bdot
 
@@ -385,11 +442,22 @@ void attend_bdot(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int64_t split = Qt == 1 && N >= 4 * at::get_num_threads() ? 1 : Hkv, width = Hkv / split;
   const int64_t head = bs * D;  // elements from one KV head's rows of a block to the next head's
   at::parallel_for(0, N * split, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> acc(width * QG * D), m(width * QG), l(width * QG * LANES);
-    std::vector<uint32_t> kpack(KG * D / 2), vpack(KG * D / 2);
-    std::vector<const T*> rows(width * QG), krow(KG), vrow(KG);
+    const int64_t rows_n = width * QG, packed = KG * D / 2;
+    std::vector<float> acc(rows_n * D), m(rows_n), l(rows_n * LANES);
+    std::vector<uint32_t> kpack(packed), vpack(packed);
+    std::vector<const T*> rows(rows_n), krow(KG), vrow(KG), qrun(bdot::MAX_RB);
+    // the group's active rows: their index, mask, scores, max change, alpha (padded for vector exps) and weights
+    std::vector<int64_t> act(rows_n);
+    std::vector<__mmask32> amask(rows_n);
+    std::vector<float> sc_buf(rows_n * KG + LANES), delta(rows_n + LANES), alpha_buf(rows_n + 2 * LANES);
+    std::vector<uint32_t> wts_buf(rows_n * KG / 2 + LANES);
+    float* const sc = bdot::aligned64(sc_buf.data());  // the passes' vectors, on whole lines
+    float* const alpha = bdot::aligned64(alpha_buf.data());
+    uint32_t* const wts = bdot::aligned64(wts_buf.data());
+    std::vector<float*> arun(bdot::MAX_RB);
     std::vector<std::pair<int64_t, int64_t>> visits;  // the blocks the tile reads, in position order
     int sink = 0;  // the read-ahead words, unused
+    const int cb = D % 64 == 0;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t n = task / split, h0 = task % split * width;
       for (int64_t hh = 0; hh < width; ++hh)  // row hh * QG + t * G + g: head h0 + hh, token t, query head g
@@ -417,8 +485,9 @@ void attend_bdot(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           const int64_t off = ((visits[slot / bs].first * Hkv + h0) * bs + slot % bs) * D;
           krow[j] = kp + off, vrow[j] = vp + off;
         }
-        for (int64_t hh = 0; hh < width; ++hh) {
+        for (int64_t hh = 0; hh < width; ++hh) {  // a head at a time: its pack, then its rows' passes
           bdot::pack(krow.data(), vrow.data(), hh * head, D, nk, kpack.data(), vpack.data());
+          int64_t na = 0;  // the rows that see some of the group
           for (int64_t t = 0; t < Qt; ++t) {
             const int64_t qpos_t = qpos[n * Qt + t];
             if (qpos_t >= PAD_POS || qpos_t < gpos) continue;
@@ -426,12 +495,27 @@ void attend_bdot(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
             const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos_t - window + 1 - gpos) : 0;
             if (hi <= lo) continue;
             const uint64_t visible = ((uint64_t(1) << hi) - 1) & ~((uint64_t(1) << lo) - 1);
-            for (int64_t r = hh * QG + t * G, end = r + G; r < end;) {
-              const int64_t R = std::min<int64_t>(MAX_R, end - r);
-              bdot::FOLDS[R](rows.data() + r, kpack.data(), vpack.data(), D, static_cast<__mmask32>(visible), fscale, cap,
-                             &m[r], &l[r * LANES], acc.data() + r * D);
-              r += R;
-            }
+            for (int64_t g = 0; g < G; ++g) act[na] = hh * QG + t * G + g, amask[na++] = static_cast<__mmask32>(visible);
+          }
+          if (na <= bdot::MAX_RB) {  // a decode tile's rows: one fold
+            if (na)
+              bdot::FOLDS[cb][na](act.data(), amask.data(), rows.data(), kpack.data(), vpack.data(), D, fscale, cap, m.data(),
+                                  l.data(), acc.data());
+            continue;
+          }
+          for (int64_t i = 0; i < na; i += bdot::MAX_RB) {
+            const int64_t R = std::min<int64_t>(bdot::MAX_RB, na - i);
+            for (int64_t r = 0; r < R; ++r) qrun[r] = rows[act[i + r]];
+            bdot::SCORES[R](qrun.data(), kpack.data(), D, sc + i * KG);
+          }
+          for (int64_t i = 0; i < na; ++i) bdot::row_max(sc + i * KG, amask[i], fscale, cap, m[act[i]], delta[i]);
+          for (int64_t i = 0; i < na; i += LANES) store(alpha + i, vexp(load(delta.data() + i)));
+          for (int64_t i = 0; i < na; ++i)
+            bdot::row_weights(sc + i * KG, m[act[i]], alpha[i], wts + i * (KG / 2), &l[act[i] * LANES]);
+          for (int64_t i = 0; i < na; i += bdot::MAX_RB) {
+            const int64_t R = std::min<int64_t>(bdot::MAX_RB, na - i);
+            for (int64_t r = 0; r < R; ++r) arun[r] = acc.data() + act[i + r] * D;
+            bdot::VALUES[cb][R](wts + i * (KG / 2), alpha + i, vpack.data(), D, arun.data());
           }
         }
       }
@@ -439,7 +523,10 @@ void attend_bdot(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         const float sum = _mm512_reduce_add_ps(_mm512_loadu_ps(&l[r * LANES]));
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
         T* dst = op + (rows[r] - qp);  // the output sits where the row's query does
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] * inv);
+        for (int64_t d = 0; d < D; d += LANES) {  // rounded to nearest even, as c10::BFloat16 rounds
+          const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(&acc[r * D + d]), _mm512_set1_ps(inv)));
+          std::memcpy(dst + d, &h, sizeof h);
+        }
       }
     }
   });
