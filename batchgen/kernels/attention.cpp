@@ -37,6 +37,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -229,6 +230,22 @@ inline void read_ahead(const void* k, const void* v, int64_t bytes, int& sink) {
     sink += *reinterpret_cast<const volatile int*>(static_cast<const char*>(k) + byte);
     sink += *reinterpret_cast<const volatile int*>(static_cast<const char*>(v) + byte);
   }
+}
+
+// The intra-op threads, each taking the next task as it finishes one: a step's tasks differ in cost
+// (a long context's tile against a short one's), and a static split of the range left a thread
+// waiting at the end (batch-64 decode attention 31.4-33.1 -> 29.6-30.7 ms, 2-core Zen 4). body(next)
+// runs once on each thread, with its own state; next() is the next task, or -1. Which thread runs a
+// task does not change its result.
+template <typename Body>
+void run_tasks(int64_t n, Body body) {
+  std::atomic<int64_t> counter{0};
+  auto next = [&] {
+    const int64_t t = counter.fetch_add(1, std::memory_order_relaxed);
+    return t < n ? t : int64_t(-1);
+  };
+  at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(n, at::get_num_threads())), 1,
+                   [&](int64_t, int64_t) { body(next); });
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -441,7 +458,7 @@ void attend_bdot(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   // threads, a tile with all its KV heads (a block's heads lie side by side: one stream of memory).
   const int64_t split = Qt == 1 && N >= 4 * at::get_num_threads() ? 1 : Hkv, width = Hkv / split;
   const int64_t head = bs * D;  // elements from one KV head's rows of a block to the next head's
-  at::parallel_for(0, N * split, 1, [&](int64_t t0, int64_t t1) {
+  run_tasks(N * split, [&](auto next) {
     const int64_t rows_n = width * QG, packed = KG * D / 2;
     std::vector<float> acc(rows_n * D), m(rows_n), l(rows_n * LANES);
     std::vector<uint32_t> kpack(packed), vpack(packed);
@@ -458,7 +475,7 @@ void attend_bdot(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     std::vector<std::pair<int64_t, int64_t>> visits;  // the blocks the tile reads, in position order
     int sink = 0;  // the read-ahead words, unused
     const int cb = D % 64 == 0;
-    for (int64_t task = t0; task < t1; ++task) {
+    for (int64_t task; (task = next()) >= 0;) {
       const int64_t n = task / split, h0 = task % split * width;
       for (int64_t hh = 0; hh < width; ++hh)  // row hh * QG + t * G + g: head h0 + hh, token t, query head g
         for (int64_t r = 0; r < QG; ++r) rows[hh * QG + r] = qp + (((n * Qt + r / G) * Hkv + h0 + hh) * G + r % G) * D;
@@ -574,12 +591,12 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   }
 #endif
 
-  at::parallel_for(0, N * Hkv, 1, [&](int64_t t0, int64_t t1) {
+  run_tasks(N * Hkv, [&](auto next) {
     std::vector<float> qf(QG * D), acc(QG * D), m(QG), l(QG);
     std::vector<float> kf(std::is_same_v<T, float> ? 0 : bs * D), vf(std::is_same_v<T, float> ? 0 : bs * D);
     std::vector<std::pair<int64_t, int64_t>> visits;
     int sink = 0;  // the read-ahead words, unused
-    for (int64_t task = t0; task < t1; ++task) {
+    for (int64_t task; (task = next()) >= 0;) {
       const int64_t n = task / Hkv, h = task % Hkv;
       // the tile's queries of this KV head, as float32 rows r = t * G + g
       for (int64_t t = 0; t < Qt; ++t)
