@@ -23,6 +23,9 @@ batchgen.model.linear). The number of pairs is a dynamic size of that compile (o
 kernel, an opaque op, reads the pairs), so the pairs buckets of one rows bucket share its code: a
 batch-1 job of 600 tokens, whose pairs pass through buckets 1 to 16, compiled once (29 s) instead of
 5 times (81 s), at the same speed and with the same tokens (2026-12-05, 2-core Zen 4; docs/speed.md).
+The number of rows is a dynamic size too, past 1 (Dynamo specialises a size of 1): one compile serves
+every rows bucket from 2 to max_num_seqs, where a batch-256 job's first run compiled the 32 buckets a
+shrinking batch passes through (407 s on a 2-core Zen 4).
 Measured on a 2-core Zen 4
 with SmolLM2-135M fp32: 1.2-1.4x the eager step at batch 1, 8 and 64. A compile costs seconds (Dynamo traces every
 layer: ~4-6 s a bucket with Inductor's cache warm, a minute or more cold), so `--compile auto` rents
@@ -111,11 +114,12 @@ class _Static:
         self.offset = torch.zeros(B, **i64)
         self.logits_idx = torch.arange(B, **i64)
         self.q_pos = torch.zeros(B, 1, **i64)
+        self.token_idx = torch.arange(B, **i64)[:, None]
         self.pair_tile = torch.zeros(P, **i64)
         self.pair_blocks = torch.zeros(P, KT, **i64)
         self.pair_pos0 = torch.zeros(P, **i64)
         self.meta = AttentionMetadata(
-            decode=TileGroup(token_idx=torch.arange(B, **i64)[:, None], q_pos=self.q_pos, valid=None,
+            decode=TileGroup(token_idx=self.token_idx, q_pos=self.q_pos, valid=None,
                              pair_tile=self.pair_tile, pair_blocks=self.pair_blocks, pair_pos0=self.pair_pos0),
             prefill=None, verify=None, q_lens=[1] * B, seq_lens=[1] * B, block_tables=[])
         self.graph = None  # mode capture: the CUDA graph, and its static output
@@ -130,7 +134,7 @@ class DecodeGraphs:
 
     def __init__(self, model, kv, attention, scratch_block: int, device: str, mode: str,
                  compile_after_s: float | None = 0.0, step_options: dict | None = None,
-                 dynamic_pairs: bool | None = None):
+                 dynamic_pairs: bool | None = None, dynamic_rows: bool | None = None):
         self.model, self.kv, self.attention = model, kv, attention
         self.scratch = scratch_block
         self.device, self.mode = device, mode
@@ -148,6 +152,9 @@ class DecodeGraphs:
         # every pairs bucket of its rows (the pairs are read by the attention kernel alone, an opaque op to
         # Inductor, so the compiled code does not depend on their number); buckets still differ in rows
         self.dynamic_pairs = mode == "compile" if dynamic_pairs is None else dynamic_pairs
+        # and so is its number of rows, past 1 (Dynamo specialises a size of 1): one compile for buckets 2
+        # to max_num_seqs (a batch-256 job's first run compiled 32 rows buckets, 407 s on a 2-core Zen 4)
+        self.dynamic_rows = self.dynamic_pairs if dynamic_rows is None else dynamic_rows
         self.eager_s: dict = {}  # seconds of dynamic steps per bucket not yet compiled (per rows, with dynamic pairs)
         self.compiled_step = None
         self.failed: str | None = None  # why a compile failed under auto (the dynamic path serves from then on)
@@ -173,8 +180,8 @@ class DecodeGraphs:
         if self.failed:
             return dynamic()
         st = self.buckets.get((B, P))
-        if st is None and self.mode == "compile" and not (self.dynamic_pairs and B in self.compiled_rows):
-            key = B if self.dynamic_pairs else (B, P)
+        if st is None and self.mode == "compile" and not self._served(B):
+            key = self.compile_key(B, P)
             spent = self.eager_s.get(key, 0.0)
             if spent < self.compile_after_s:  # still renting: the unpadded eager step
                 t0 = time.perf_counter()
@@ -185,6 +192,9 @@ class DecodeGraphs:
             st = self.buckets[(B, P)] = _Static(B, P, kt, self.device)
             if self.dynamic_pairs:
                 for t in (st.pair_tile, st.pair_blocks, st.pair_pos0):
+                    torch._dynamo.mark_dynamic(t, 0)
+            if self.dynamic_rows and B > 1:
+                for t in (st.tokens, st.positions, st.block_idx, st.offset, st.logits_idx, st.q_pos, st.token_idx):
                     torch._dynamo.mark_dynamic(t, 0)
         self._fill(st, R, tokens, positions, block_idx, pairs, kt)
         self.num_steps += 1
@@ -213,6 +223,17 @@ class DecodeGraphs:
             self._capture(st)
         st.graph.replay()
         return st.logits[:R]
+
+    def compile_key(self, B: int, P: int):
+        """What one compile serves: a (rows, pairs) bucket, a rows bucket (dynamic pairs), or every rows
+        bucket past 1 (dynamic rows too)."""
+        if not self.dynamic_pairs:
+            return (B, P)
+        return min(B, 2) if self.dynamic_rows else B
+
+    def _served(self, B: int) -> bool:
+        """Whether compiled code already serves rows bucket B."""
+        return self.dynamic_pairs and any(self.compile_key(b, 0) == self.compile_key(B, 0) for b in self.compiled_rows)
 
     @property
     def compiled_rows(self) -> set[int]:
@@ -272,7 +293,9 @@ class DecodeGraphs:
             return "static buckets, eager (no CUDA graphs on this device)"
         when = ("once a bucket's eager steps reach " + f"{self.compile_after_s:.0f} s (compile cost over {SAVING})"
                 if self.compile_after_s else "on a bucket's first use")
-        per = "rows bucket (its pairs a dynamic size)" if self.dynamic_pairs else "(rows, pairs) bucket"
+        per = ("rows bucket (its pairs a dynamic size)" if not self.dynamic_rows
+               else "1 row and once for 2 rows or more (rows and pairs dynamic sizes)") if self.dynamic_pairs \
+            else "(rows, pairs) bucket"
         return (f"no graphs; decode step compiled per {per} {when}: {self.num_compiles} compiled so far, "
                 f"{self.num_steps} compiled steps")
 
