@@ -320,8 +320,8 @@ class EngineConfig:
     prompt_lookup_max: int = setting(4, ge=1, title="Longest n-gram matched, tried first")
     compile: str = setting(
         "auto", choices=ON_OFF, title="Compile the step (native engine)",
-        help="torch.compile (Inductor): on CPU the whole decode step, once per rows bucket (the number of "
-             "attention pairs a dynamic size); on CUDA the step's elementwise kernels. auto: on CUDA; on CPU a "
+        help="torch.compile (Inductor): on CPU the whole decode step, once for 1 row and once for 2 rows or "
+             "more (the rows and the attention pairs dynamic sizes); on CUDA the step's elementwise kernels. auto: on CUDA; on CPU a "
              "bucket compiles once its eager steps have cost what a compile costs on this machine (long jobs "
              "compile, short ones do not)")
     pack_weights: bool = True  # weights in the kernel's fastest layout (False: the checkpoint's, for A/B)
