@@ -16,7 +16,7 @@ into static buffers; this does the same for the native engine's PyTorch paged pa
   logits come back from the graph's static output.
 
 On CPU there is no graph to capture. There the static shapes serve torch.compile instead
-(mode "compile"): Inductor compiles the whole decode step (once per rows bucket, before the rows were dynamic; below), fusing the norms, RoPE,
+(mode "compile"): Inductor compiles the whole decode step, fusing the norms, RoPE,
 the KV write and the attention's gathers, masks and split softmax into a few C++ kernels around the
 matmuls (batchgen's gemv kernel or oneDNN's prepacked one, called as opaque kernels,
 batchgen.model.linear). The number of pairs is a dynamic size of that compile (only the attention
