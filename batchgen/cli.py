@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--engines", default="native,vllm,hf,llama.cpp,vllm-generate",
                        help="comma-separated: native, vllm (through batchgen), hf (the naive baseline), and the outside "
                             "peers llama.cpp (llama-cpp-python on the model's GGUF) and vllm-generate (vLLM's own "
-                            "LLM.generate, fp32 and bf16); a peer that is not installed is left out with a line, and one "
+                            "LLM.generate, fp32 and bf16; vllm-generate:fp32 or :bf16 runs one); a peer that is not installed is left out with a line, and one "
                             "that fails is reported under the table and left out of the rest of the run")
     bench.add_argument("--native-variants", default="eager,compiled,onednn,auto,loose,int4,gguf",
                        help="the native engine's variants to measure (comma-separated)")
@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=int, default=64)
     bench.add_argument("--prompt-tokens", type=int, default=None,
                        help="every prompt this many tokens (held instructions joined and cut; e.g. 300 for the "
-                            "prefill MFU target), instead of the held prompts as they are (40 to 256 tokens)")
+                            "prefill MFU target), instead of the few-shot chat prompts of real length (100 to "
+                            "500 tokens: held tasks with their answers as examples, then a task)")
     bench.add_argument("--speculative", type=int, default=4, help="n-gram draft tokens for the speculation "
                                                                      "section (0: skip it)")
     bench.add_argument("--spec-batch", type=int, default=8)

@@ -190,6 +190,26 @@ def test_a_peer_that_dies_is_reported_and_the_bench_goes_on(tiny_model_dir, monk
     assert any(line.endswith("(closing: RuntimeError: engine core is gone (test double))") for line in lines)
 
 
+def test_vllm_generate_runs_one_dtype_when_named_with_it(tiny_model_dir, monkeypatch):
+    """`vllm-generate:fp32` starts and measures vLLM's float32 engine only (on a CPU without bf16 math
+    its bf16 crawls); a dtype it does not know is refused before anything starts."""
+    import sys
+    import types
+
+    from batchgen.benchmarks import peers
+
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))  # "installed"; the double stands in for it
+    monkeypatch.setattr(peers, "VllmOwnRunner", DyingVllmDouble)
+    monkeypatch.setattr(DyingVllmDouble, "closed", [])
+    results, _ = run_bench(tiny_model_dir, ["native", "vllm-generate:fp32"], [2], ["greedy"], new_tokens=2,
+                           speculative_k=0, log=lambda line: None, native_variants=("eager",))
+    assert sorted({(m.engine, m.dtype) for m in results}) == [("native", "float32"), ("vllm-generate:fp32", "float32")]
+    assert DyingVllmDouble.closed == ["float32"]
+    with pytest.raises(ValueError, match="unknown engine 'vllm-generate:fp16'"):
+        run_bench(tiny_model_dir, ["native", "vllm-generate:fp16"], [2], ["greedy"], new_tokens=2, speculative_k=0,
+                  log=lambda line: None, native_variants=("eager",))
+
+
 def test_llama_cpp_runs_the_shipped_gguf_as_a_peer(real_model_dir):
     """The llama.cpp peer on the model's own GGUF (where llama-cpp-python is installed: the `peers`
     extra, which neither set-up nor CI builds): greedy tokens in llama.cpp's own loop, one KV stream

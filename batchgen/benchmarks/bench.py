@@ -345,7 +345,10 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
     # of them for the band of max(batches) and so would put every batch on the same one
     has_gemv = fp32_kernel("auto", "cpu")[0] is not None
     fp32 = "gemv" if has_gemv else "auto"
-    for name in [e for e in engines if e not in PEERS]:
+    unknown = [e for e in engines if ":" in e and not is_peer(e)]
+    if unknown:
+        raise ValueError(f"unknown engine {unknown[0]!r}: the peers take vllm-generate:fp32 or vllm-generate:bf16")
+    for name in [e for e in engines if not is_peer(e)]:
         variants.append((name, "float32", "none", "off", fp32 if name == "native" else "auto"))
         if name == "native":  # eager above; below, the decode step compiled per bucket (warmed up first)
             variants.append(("native:compiled", "float32", "none", "on", fp32))
@@ -414,9 +417,9 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
         return measure, (warm_up if compiled else None)
 
     failed: dict[str, str] = {}  # outside peers that died in this run: where, and what they raised
-    peers = _peer_cells([e for e in engines if e in PEERS], gguf, model_dir, batches, max_len, kv_tokens, new_tokens,
+    peers = _peer_cells([e for e in engines if is_peer(e)], gguf, model_dir, batches, max_len, kv_tokens, new_tokens,
                         grid_prompts, log, failed)
-    for engine_name in [e for e in engines if e not in PEERS]:
+    for engine_name in [e for e in engines if not is_peer(e)]:
         group_variants = [v for v in variants if v[0].split(":")[0] == engine_name]
         log(f"{', '.join(f'{n} ({d})' for n, d, *_ in group_variants)} ...")
         if engine_name == "hf":
@@ -489,6 +492,14 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
 
 
 PEERS = ("llama.cpp", "vllm-generate")  # outside peers, run as their own users run them (batchgen.benchmarks.peers)
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # vllm-generate:fp32 / :bf16 runs one dtype (both by default)
+
+
+def is_peer(name: str) -> bool:
+    """An outside peer's name: llama.cpp, vllm-generate, or vllm-generate:fp32 / :bf16 (one dtype: on a
+    CPU without bf16 math vLLM's bf16 crawls, and a batch-256 run of it takes most of an hour)."""
+    base, _, dtype = name.partition(":")
+    return base in PEERS and (not dtype or (base == "vllm-generate" and dtype in VLLM_DTYPES))
 
 
 def _outlived(name: str, what: str, call: Callable, failed: dict[str, str], log) -> Callable:
@@ -563,14 +574,15 @@ def _start_peer(name: str, gguf: list[Path], model_dir, batches: list[int], max_
 
         cells.append(((name, "Q4_1", measure, lambda b, runner=runner: runner.run(grid_prompts(b), b, 4) and None),
                       runner.close))
-    elif name == "vllm-generate":
+    elif name.startswith("vllm-generate"):
         try:
             import vllm  # noqa: F401
         except ImportError as e:
             log(f"vllm-generate left out: vLLM is not installed ({e})")
             return cells
         shape = read_hf_shape(model_dir)
-        for dtype in ("float32", "bfloat16"):  # the same KV room as the native engine's, in vLLM's dtype
+        wanted = [VLLM_DTYPES[name.partition(":")[2]]] if ":" in name else list(VLLM_DTYPES.values())
+        for dtype in wanted:  # the same KV room as the native engine's, in vLLM's dtype
             kv_bytes = kv_tokens * 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * (
                 4 if dtype == "float32" else 2)
             runner = peers.VllmOwnRunner(model_dir, dtype, max(batches), max_len, kv_bytes)
