@@ -49,6 +49,29 @@ def peak_read(device: str = "cpu", mib: int = 256, repeats: int = 3) -> float:
     return x.numel() * 4 / _best_seconds(lambda: x.sum(), device, repeats)
 
 
+CRAWL_S = 0.25  # a first matmul on CRAWL_ROWS rows slower than this: the dtype has no vector path here
+CRAWL_ROWS = 64
+
+
+def matmul_flops(a, b, device: str, repeats: int, crawl_s: float = CRAWL_S) -> tuple[float, int]:
+    """(FLOP/s of a @ b, the best of `repeats` calls; the rows it was measured on). A first call on
+    CRAWL_ROWS of a's rows comes first: where it takes more than `crawl_s` (bf16 on a CPU without
+    bf16 math runs well under 1 GFLOP/s, and the full product would take a minute), its own rate is
+    the figure, on those rows."""
+    import torch
+
+    dev = torch.device(device)
+    rows = a[:CRAWL_ROWS]
+    t0 = time.perf_counter()
+    rows @ b
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    first_s = time.perf_counter() - t0
+    if first_s > crawl_s:
+        return 2 * rows.shape[0] * b.shape[0] * b.shape[1] / first_s, rows.shape[0]
+    return 2 * a.shape[0] * b.shape[0] * b.shape[1] / _best_seconds(lambda: a @ b, device, repeats), a.shape[0]
+
+
 def probe_device(device: str = "cpu", mib: int = 256, repeats: int = 3) -> dict[str, float]:
     import torch
 
@@ -57,12 +80,11 @@ def probe_device(device: str = "cpu", mib: int = 256, repeats: int = 3) -> dict[
     n = 2048 if dev.type == "cpu" else 8192
     a = torch.randn(512 if dev.type == "cpu" else n, n, device=dev)
     b = torch.randn(n, n, device=dev)
-    mm_s = _best_seconds(lambda: a @ b, device, repeats)
-    a16, b16 = a.bfloat16(), b.bfloat16()  # bf16's own peak (AMX or AVX512_BF16 where the CPU has them)
-    mm16_s = _best_seconds(lambda: a16 @ b16, device, repeats)
-    flops = 2 * a.shape[0] * n * n
-    return {"peak_read_bytes_per_s": read, "peak_flops_fp32": flops / mm_s,
-            "peak_flops_bfloat16": flops / mm16_s, "probe_buffer_mib": mib}
+    fp32, fp32_rows = matmul_flops(a, b, device, repeats)
+    # bf16's own peak (AMX or AVX512_BF16 where the CPU has them; a crawl on AVX2, measured on fewer rows)
+    bf16, bf16_rows = matmul_flops(a.bfloat16(), b.bfloat16(), device, repeats)
+    return {"peak_read_bytes_per_s": read, "peak_flops_fp32": fp32, "peak_flops_bfloat16": bf16,
+            "probe_matmul_rows_fp32": fp32_rows, "probe_matmul_rows_bfloat16": bf16_rows, "probe_buffer_mib": mib}
 
 
 def machine_key(device: str) -> str:
