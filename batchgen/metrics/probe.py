@@ -50,7 +50,7 @@ def peak_read(device: str = "cpu", mib: int = 256, repeats: int = 3) -> float:
 
 
 CRAWL_S = 0.25  # a first matmul on CRAWL_ROWS rows slower than this: the dtype has no vector path here
-CRAWL_ROWS = 64
+CRAWL_ROWS = 16
 
 
 def matmul_flops(a, b, device: str, repeats: int, crawl_s: float = CRAWL_S) -> tuple[float, int]:
