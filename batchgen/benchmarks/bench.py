@@ -297,6 +297,9 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
     from batchgen.metrics.probe import cached_probe, peak_read, probe_device
     from batchgen.model.tokenizer import Tokenizer
 
+    unknown = [e for e in engines if ":" in e and not is_peer(e)]
+    if unknown:
+        raise ValueError(f"unknown engine {unknown[0]!r}: the peers take vllm-generate:fp32 or vllm-generate:bf16")
     device = "cpu"
     probe = cached_probe(device)
     # the roofline measured now, in this run: a shared machine's bandwidth drifts (the cached probe said
@@ -345,9 +348,6 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
     # of them for the band of max(batches) and so would put every batch on the same one
     has_gemv = fp32_kernel("auto", "cpu")[0] is not None
     fp32 = "gemv" if has_gemv else "auto"
-    unknown = [e for e in engines if ":" in e and not is_peer(e)]
-    if unknown:
-        raise ValueError(f"unknown engine {unknown[0]!r}: the peers take vllm-generate:fp32 or vllm-generate:bf16")
     for name in [e for e in engines if not is_peer(e)]:
         variants.append((name, "float32", "none", "off", fp32 if name == "native" else "auto"))
         if name == "native":  # eager above; below, the decode step compiled per bucket (warmed up first)
