@@ -10,7 +10,9 @@ Two cases: a decode step (`--batch` rows, contexts drawn from 150 to 560 positio
 `--prefill-tokens`, in the engine's 64-token tiles). Each of `--layers` layers has a cache of its own,
 so the decode case reads its KV from memory as a real step does; each time is the fastest of
 `--repeats`. Prints the ms a step (all layers), the op's GFLOP/s and KV GB/s, the kernel's speed-up
-over the PyTorch path, and the run's conditions.
+over the PyTorch path, and the run's conditions. KV GB/s counts each sequence's keys and values once:
+what a decode step reads, but a floor for a prefill step, whose 64-token tiles each read their
+prompt's earlier blocks again.
 """
 
 from __future__ import annotations
