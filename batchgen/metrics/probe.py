@@ -54,19 +54,13 @@ CRAWL_ROWS = 16
 
 
 def matmul_flops(a, b, device: str, repeats: int, crawl_s: float = CRAWL_S) -> tuple[float, int]:
-    """(FLOP/s of a @ b, the best of `repeats` calls; the rows it was measured on). A first call on
-    CRAWL_ROWS of a's rows comes first: where it takes more than `crawl_s` (bf16 on a CPU without
-    bf16 math runs well under 1 GFLOP/s, and the full product would take a minute), its own rate is
-    the figure, on those rows."""
-    import torch
-
-    dev = torch.device(device)
+    """(FLOP/s of a @ b, the best of `repeats` calls; the rows it was measured on). A product on
+    CRAWL_ROWS of a's rows comes first (timed after an untimed one, so a library's first-call set-up,
+    cuBLAS's for one, is not taken for a crawl): where it takes more than `crawl_s` (bf16 on a CPU
+    without bf16 math runs well under 1 GFLOP/s, and the full product would take a minute), its rate
+    is the figure, on those rows."""
     rows = a[:CRAWL_ROWS]
-    t0 = time.perf_counter()
-    rows @ b
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    first_s = time.perf_counter() - t0
+    first_s = _best_seconds(lambda: rows @ b, device, 1)
     if first_s > crawl_s:
         return 2 * rows.shape[0] * b.shape[0] * b.shape[1] / first_s, rows.shape[0]
     return 2 * a.shape[0] * b.shape[0] * b.shape[1] / _best_seconds(lambda: a @ b, device, repeats), a.shape[0]
