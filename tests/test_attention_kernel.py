@@ -136,6 +136,24 @@ def test_bfloat16_reads_no_slot_past_the_tiles_last_position(op):
     assert torch.equal(out, clean) and not out.isnan().any()
 
 
+@pytest.mark.parametrize("dims,bs", [(40, 8), (64, 12), (24, 48)])
+def test_float32_on_shapes_outside_the_keys_in_lanes_path(op, dims, bs):
+    """On AVX2, float32 takes the keys-in-lanes path only for D a multiple of 16 and groups of 32
+    positions that blocks tile; other head sizes and block sizes take the fold (or its scalar form)
+    and still match the PyTorch path, in every case."""
+    gen = torch.Generator().manual_seed(dims + bs)
+    for chunks, width, keys in CASES.values():
+        g, T = plan(chunks, width, keys, bs=bs)
+        q = torch.randn(T, HKV, G, dims, generator=gen)[g.token_idx]
+        k = torch.randn(BLOCKS, HKV, bs, dims, generator=gen)
+        v = torch.randn(BLOCKS, HKV, bs, dims, generator=gen)
+        got = op(q, k, v, g.q_pos, g.pair_tile, g.pair_blocks, g.pair_pos0, dims ** -0.5, 0, 0.0)
+        ref = _tile_attention(q, g, k, v, dims ** -0.5)
+        if g.valid is not None:
+            got, ref = got[g.valid], ref[g.valid]
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("window,softcap", [(5, None), (None, 3.0), (70, 50.0)])
 def test_kernel_window_and_softcap(op, window, softcap):
     for chunks, width, keys in CASES.values():

@@ -17,6 +17,12 @@
 // lines arrive while it computes (prefetch instructions did not, measured): batch-64 decode attention
 // of SmolLM2-135M on prompts of 146-498 tokens went from 45 to 29 ms a step on a 2-core Zen 4.
 //
+// float32 caches on AVX2 (without AVX-512) take the same keys-in-lanes plan in 8-float vectors
+// (attend_lanes8): groups of 32 positions, keys transposed once per task and head, so a score is D
+// multiply-adds in dim order with no horizontal sums, values read in place. On a 2-core Zen 3 a
+// 4,096-token prefill step's attention went from 857-892 to 483-503 ms, a batch-64 decode step's from
+// 66-69 to 56-59 ms (attention_op, 30 layers, alternated). AVX-512 float32 keeps the fold below.
+//
 // A query row's result depends only on its own query, position and keys: the blocks are visited in
 // position order and each is folded in the same operations, whatever the tile the row sits in, the
 // rows beside it, how the blocks are grouped into key tiles, or the threads. So a token's attention
@@ -550,6 +556,278 @@ void attend_bdot(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// ---- float32 caches on AVX2: keys in lanes ------------------------------------------------------------
+//
+// The fold above sums each key's D products across a vector's lanes; a prompt chunk's row (every token
+// of a 64-token tile, every query head) then reads each key again, and the output's accumulators (R rows
+// of D / 8 vectors) outgrow AVX2's 16 registers. Here, as in the bf16 pair path, each aligned group of
+// 32 positions is one step of the online softmax: the group's keys are packed once per task and KV
+// head, transposed (dim i of key j at kp[i * 32 + j]), so a query row's 32 scores are D multiply-adds
+// into four vectors, with no horizontal sums; the values are read in place, a key at a time, 8 dims to
+// a vector. A group is folded into a KV head's rows in three passes, each over all its rows (scores;
+// max, exponentials, per-lane sums; values), so that one row's dependency chains overlap the others'.
+// A decode tile's few rows take the same steps in one go (fold). Every row runs the same operations
+// whatever the rows beside it (R only shares loads), the tile, the task's heads or the threads; a slot
+// past the tile's last position is packed as zero and masked, and its value is never read.
+namespace lanes8 {
+
+constexpr int64_t KG = 32;  // keys per group: four vectors of scores
+constexpr int64_t W = 8;    // floats a vector
+constexpr int MAX_RB = 6;   // rows a pass takes side by side
+
+// one group's key rows k[j] + head (j < n; the rest zero, read from `zeros`) -> kp [D][32], transposed
+// 8 x 8 at a time (the 128-bit halves' swap done by the loads)
+inline void pack_keys(const float* const* k, int64_t head, int64_t D, int64_t n, const float* zeros, float* kp) {
+  for (int64_t g = 0; g < KG / W; ++g) {
+    const float* row[W];
+    for (int64_t j = 0; j < W; ++j) row[j] = g * W + j < n ? k[g * W + j] + head : zeros;
+    for (int64_t c = 0; c < D; c += W) {
+      __m256 t[8];  // t[j], t[4 + j]: dims c..c+3, c+4..c+7 of keys j (low half) and j + 4 (high half)
+      for (int j = 0; j < 4; ++j) {
+        t[j] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(row[j] + c)), _mm_loadu_ps(row[j + 4] + c), 1);
+        t[4 + j] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(row[j] + c + 4)),
+                                        _mm_loadu_ps(row[j + 4] + c + 4), 1);
+      }
+      for (int h = 0; h < 2; ++h) {  // a 4 x 4 transpose in each half
+        const __m256* u = t + 4 * h;
+        const __m256 a = _mm256_unpacklo_ps(u[0], u[1]), b = _mm256_unpackhi_ps(u[0], u[1]);
+        const __m256 x = _mm256_unpacklo_ps(u[2], u[3]), y = _mm256_unpackhi_ps(u[2], u[3]);
+        float* o = kp + (c + 4 * h) * KG + g * W;
+        _mm256_storeu_ps(o, _mm256_shuffle_ps(a, x, 0x44));
+        _mm256_storeu_ps(o + KG, _mm256_shuffle_ps(a, x, 0xee));
+        _mm256_storeu_ps(o + 2 * KG, _mm256_shuffle_ps(b, y, 0x44));
+        _mm256_storeu_ps(o + 3 * KG, _mm256_shuffle_ps(b, y, 0xee));
+      }
+    }
+  }
+}
+
+// scores: R rows q[r] [D] against the packed keys -> s [R][32], NK vectors of keys a pass; each score is
+// one chain of D multiply-adds in dim order, whatever R and NK
+template <int R, int NK>
+inline void scores(const float* const* q, const float* kp, int64_t D, float* s) {
+  for (int64_t h = 0; h < KG; h += NK * W) {
+    __m256 a[R][NK];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NK; ++b) a[r][b] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; ++i) {
+      __m256 kv[NK];
+      for (int b = 0; b < NK; ++b) kv[b] = _mm256_loadu_ps(kp + i * KG + h + b * W);
+      for (int r = 0; r < R; ++r) {
+        const __m256 qi = _mm256_broadcast_ss(q[r] + i);
+        for (int b = 0; b < NK; ++b) a[r][b] = _mm256_fmadd_ps(qi, kv[b], a[r][b]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NK; ++b) _mm256_storeu_ps(s + r * KG + h + b * W, a[r][b]);
+  }
+}
+
+// one row's scores s [32] (scaled, squashed, masked in place: bit j of `mask` keeps key j) -> its new
+// max in m, m_old - m_new in delta
+inline void row_max(float* s, uint32_t mask, float scale, float cap, float& m, float& delta) {
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), sc = _mm256_set1_ps(scale);
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  if (cap > 0.f)  // Gemma 2: scores squashed into (-cap, cap)
+    for (int64_t j = 0; j < KG; ++j) s[j] = std::tanh(s[j] * scale / cap) * cap;
+  __m256 mx = ninf;
+  for (int64_t b = 0; b < KG / W; ++b) {
+    __m256 x = _mm256_loadu_ps(s + b * W);
+    if (!(cap > 0.f)) x = _mm256_mul_ps(x, sc);
+    const __m256i sel = _mm256_and_si256(_mm256_set1_epi32(int(mask >> (b * W))), bit);
+    x = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(_mm256_cmpeq_epi32(sel, bit)));
+    _mm256_storeu_ps(s + b * W, x);
+    mx = _mm256_max_ps(mx, x);
+  }
+  alignas(32) float t[W];
+  _mm256_store_ps(t, mx);
+  float best = m;
+  for (int64_t j = 0; j < W; ++j) best = std::max(best, t[j]);
+  delta = m - best;  // -inf on the row's first group (m = -inf): alpha 0
+  m = best;
+}
+
+// one row's masked scores s [32], max m, alpha -> its weights p [32] (in place of s), per-lane sum l [8]
+inline void row_weights(float* s, float m, float alpha, float* l) {
+  const vec mv = splat(m);
+  vec e[KG / W];
+  for (int64_t b = 0; b < KG / W; ++b) store(s + b * W, e[b] = vexp(load(s + b * W) - mv));  // masked -> 0
+  _mm256_storeu_ps(l, _mm256_fmadd_ps(_mm256_loadu_ps(l), _mm256_set1_ps(alpha), (__m256)((e[0] + e[1]) + (e[2] + e[3]))));
+}
+
+// values: R rows' weights p [R][32] times the group's value rows v[j] + head (j < n), into acc[r]
+// rescaled by alpha[r], CB vectors of dims at a time
+template <int R, int CB>
+inline void values(const float* p, const float* alpha, const float* const* v, int64_t head, int64_t n, int64_t D,
+                   float* const* acc) {
+  for (int64_t c = 0; c < D; c += CB * W) {
+    __m256 o[R][CB];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < CB; ++b) o[r][b] = _mm256_mul_ps(_mm256_loadu_ps(acc[r] + c + b * W), _mm256_set1_ps(alpha[r]));
+    for (int64_t j = 0; j < n; ++j) {
+      __m256 vv[CB];
+      for (int b = 0; b < CB; ++b) vv[b] = _mm256_loadu_ps(v[j] + head + c + b * W);
+      for (int r = 0; r < R; ++r) {
+        const __m256 w = _mm256_broadcast_ss(p + r * KG + j);
+        for (int b = 0; b < CB; ++b) o[r][b] = _mm256_fmadd_ps(w, vv[b], o[r][b]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < CB; ++b) _mm256_storeu_ps(acc[r] + c + b * W, o[r][b]);
+  }
+}
+
+// R (1 to MAX_RB) as a compile-time constant for f
+template <typename F>
+inline void with_rows(int64_t R, F&& f) {
+  switch (R) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    default: f(std::integral_constant<int, 6>{}); break;
+  }
+}
+
+// the steps for R rows (indices act[0..R) into q rows, m, l [8] and acc [D]) in one go: a decode tile's
+// few rows, whose passes would otherwise cost more in loops than they overlap
+template <int R>
+inline void fold(const int64_t* act, const uint32_t* mask, const float* const* rows, const float* kp,
+                 const float* const* v, int64_t head, int64_t n, int64_t D, float scale, float cap, float* m, float* l,
+                 float* acc) {
+  alignas(32) float s[R * KG], delta[W] = {}, alpha[W];
+  const float* q[R];
+  float* a[R];
+  for (int r = 0; r < R; ++r) q[r] = rows[act[r]], a[r] = acc + act[r] * D;
+  scores<R, (R <= 3 ? 4 : 2)>(q, kp, D, s);
+  for (int r = 0; r < R; ++r) row_max(s + r * KG, mask[r], scale, cap, m[act[r]], delta[r]);
+  store(alpha, vexp(load(delta)));
+  for (int r = 0; r < R; ++r) row_weights(s + r * KG, m[act[r]], alpha[r], l + act[r] * W);
+  values<R, 2>(s, alpha, v, head, n, D, a);
+}
+
+}  // namespace lanes8
+
+// the keys-in-lanes path applies: groups of 32 positions made of whole blocks or within one block, key
+// tiles that span whole groups, D a multiple of 16
+inline bool lanes8_fits(int64_t bs, int64_t D, int64_t KT, const at::Tensor& pair_pos0) {
+  if (!((bs % lanes8::KG == 0 || lanes8::KG % bs == 0) && (KT * bs) % lanes8::KG == 0 && D % 16 == 0 && D <= 512))
+    return false;
+  const int64_t* p0 = pair_pos0.data_ptr<int64_t>();
+  for (int64_t p = 0; p < pair_pos0.size(0); ++p)
+    if (p0[p] % lanes8::KG) return false;
+  return true;
+}
+
+void attend_lanes8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_pos,
+                   const at::Tensor& pair_blocks, const at::Tensor& pair_pos0, const std::vector<int64_t>& start,
+                   const std::vector<int64_t>& order, double scale, int64_t window, double softcap, at::Tensor& out) {
+  using namespace lanes8;
+  const int64_t N = q.size(0), Qt = q.size(1), Hkv = q.size(2), G = q.size(3), D = q.size(4);
+  const int64_t bs = k_cache.size(2), KT = pair_blocks.size(1), QG = Qt * G, num_blocks = k_cache.size(0);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* qpos = q_pos.data_ptr<int64_t>();
+  const int64_t* pblocks = pair_blocks.data_ptr<int64_t>();
+  const int64_t* ppos0 = pair_pos0.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  // A task is a tile and one KV head; or, for one-token tiles where there are tiles enough for the
+  // threads, a tile with all its KV heads (a block's heads lie side by side: one stream of memory).
+  const int64_t split = Qt == 1 && N >= 4 * at::get_num_threads() ? 1 : Hkv, width = Hkv / split;
+  const int64_t head = bs * D;  // elements from one KV head's rows of a block to the next head's
+  run_tasks(N * split, [&](auto next) {
+    const int64_t rows_n = width * QG;
+    std::vector<float> acc(rows_n * D), m(rows_n), l(rows_n * W), zeros(D, 0.f), kpack(KG * D);
+    std::vector<const float*> rows(rows_n), krow(KG), vrow(KG), qrun(MAX_RB);
+    // the group's active rows: their index, mask, scores (then weights), max change and alpha
+    std::vector<int64_t> act(rows_n);
+    std::vector<uint32_t> amask(rows_n);
+    std::vector<float> sc(rows_n * KG), delta(rows_n + W), alpha(rows_n + W);
+    std::vector<float*> arun(MAX_RB);
+    std::vector<std::pair<int64_t, int64_t>> visits;  // the blocks the tile reads, in position order
+    int sink = 0;  // the read-ahead words, unused
+    for (int64_t task; (task = next()) >= 0;) {
+      const int64_t n = task / split, h0 = task % split * width;
+      for (int64_t hh = 0; hh < width; ++hh)  // row hh * QG + t * G + g: head h0 + hh, token t, query head g
+        for (int64_t r = 0; r < QG; ++r) rows[hh * QG + r] = qp + (((n * Qt + r / G) * Hkv + h0 + hh) * G + r % G) * D;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      int64_t last = std::numeric_limits<int64_t>::min();
+      for (int64_t t = 0; t < Qt; ++t)
+        if (qpos[n * Qt + t] < PAD_POS) last = std::max(last, qpos[n * Qt + t]);
+      tile_blocks(n, start, order, ppos0, pblocks, KT, bs, last, num_blocks, visits);
+      const int64_t first = visits.empty() ? 0 : visits[0].second;  // the position of the first block's first slot
+      for (size_t i = 0; i < visits.size(); ++i)
+        TORCH_CHECK(visits[i].second == first + int64_t(i) * bs, "paged attention: a tile's key tiles must run on without a gap");
+      const int64_t nkeys = visits.empty() ? 0 : std::min<int64_t>(visits.size() * bs, last - first + 1);
+      // Each group's lines, every head of the task, are read just before its fold: on a 2-core Zen 3,
+      // reading AHEAD positions in advance (as the paths above do) took batch-64 decode attention from
+      // 56-59 to 60-62 ms a step, and reading none to 80 ms (the loads' misses overlap each other).
+      size_t fetched = 0;  // visits whose lines have been read
+      for (int64_t k0 = 0; k0 < nkeys; k0 += KG) {
+        const int64_t gpos = first + k0, nk = std::min(KG, nkeys - k0);
+        for (; fetched < visits.size() && int64_t(fetched) * bs < k0 + KG; ++fetched) {  // the group's own blocks
+          const int64_t off = (visits[fetched].first * Hkv + h0) * head;  // every head of the task
+          read_ahead(kp + off, vp + off, width * head * int64_t(sizeof(float)), sink);
+        }
+        for (int64_t j = 0; j < nk; ++j) {  // head h0's rows of the group's keys
+          const int64_t slot = k0 + j;
+          const int64_t off = ((visits[slot / bs].first * Hkv + h0) * bs + slot % bs) * D;
+          krow[j] = kp + off, vrow[j] = vp + off;
+        }
+        for (int64_t hh = 0; hh < width; ++hh) {  // a head at a time: its pack, then its rows' passes
+          pack_keys(krow.data(), hh * head, D, nk, zeros.data(), kpack.data());
+          int64_t na = 0;  // the rows that see some of the group
+          for (int64_t t = 0; t < Qt; ++t) {
+            const int64_t qpos_t = qpos[n * Qt + t];
+            if (qpos_t >= PAD_POS || qpos_t < gpos) continue;
+            const int64_t hi = std::min(nk, qpos_t - gpos + 1);
+            const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos_t - window + 1 - gpos) : 0;
+            if (hi <= lo) continue;
+            const uint32_t visible = uint32_t(((uint64_t(1) << hi) - 1) & ~((uint64_t(1) << lo) - 1));
+            for (int64_t g = 0; g < G; ++g) act[na] = hh * QG + t * G + g, amask[na++] = visible;
+          }
+          if (na <= MAX_RB) {  // a decode tile's rows: one fold
+            if (na)
+              with_rows(na, [&](auto R) {
+                fold<R>(act.data(), amask.data(), rows.data(), kpack.data(), vrow.data(), hh * head, nk, D, fscale, cap,
+                        m.data(), l.data(), acc.data());
+              });
+            continue;
+          }
+          for (int64_t i = 0; i < na; i += MAX_RB) {
+            const int64_t R = std::min<int64_t>(MAX_RB, na - i);
+            for (int64_t r = 0; r < R; ++r) qrun[r] = rows[act[i + r]];
+            with_rows(R, [&](auto RR) { scores<RR, (RR <= 3 ? 4 : 2)>(qrun.data(), kpack.data(), D, sc.data() + i * KG); });
+          }
+          for (int64_t i = 0; i < na; ++i) row_max(sc.data() + i * KG, amask[i], fscale, cap, m[act[i]], delta[i]);
+          for (int64_t i = 0; i < na; i += W) store(alpha.data() + i, vexp(load(delta.data() + i)));
+          for (int64_t i = 0; i < na; ++i) row_weights(sc.data() + i * KG, m[act[i]], alpha[i], &l[act[i] * W]);
+          for (int64_t i = 0; i < na; i += MAX_RB) {
+            const int64_t R = std::min<int64_t>(MAX_RB, na - i);
+            for (int64_t r = 0; r < R; ++r) arun[r] = acc.data() + act[i + r] * D;
+            with_rows(R, [&](auto RR) { values<RR, 2>(sc.data() + i * KG, alpha.data() + i, vrow.data(), hh * head, nk, D, arun.data()); });
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows_n; ++r) {
+        alignas(32) float t[W];
+        std::memcpy(t, &l[r * W], sizeof t);
+        const float sum = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        float* dst = op + (rows[r] - qp);  // the output sits where the row's query does
+        for (int64_t d = 0; d < D; d += W) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(&acc[r * D + d]), _mm256_set1_ps(inv)));
+      }
+    }
+  });
+}
+#endif
+
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_pos,
             const at::Tensor& pair_tile, const at::Tensor& pair_blocks, const at::Tensor& pair_pos0, double scale,
@@ -586,6 +864,14 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     if (bdot_fits(bs, D)) {
       attend_bdot(q, k_cache, v_cache, q_pos, pair_tile, pair_blocks, pair_pos0, start, order, scale, window, softcap,
                   out);
+      return;
+    }
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (lanes8_fits(bs, D, KT, pair_pos0)) {
+      attend_lanes8(q, k_cache, v_cache, q_pos, pair_blocks, pair_pos0, start, order, scale, window, softcap, out);
       return;
     }
   }
