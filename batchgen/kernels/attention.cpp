@@ -767,7 +767,7 @@ void attend_lanes8(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       const int64_t nkeys = visits.empty() ? 0 : std::min<int64_t>(visits.size() * bs, last - first + 1);
       // Each group's lines, every head of the task, are read just before its fold: on a 2-core Zen 3,
       // reading AHEAD positions in advance (as the paths above do) took batch-64 decode attention from
-      // 56-59 to 60-62 ms a step, and reading none to 80 ms (the loads' misses overlap each other).
+      // 55-60 to 60-66 ms a step, and reading none to 80 ms (the loads' misses overlap each other).
       size_t fetched = 0;  // visits whose lines have been read
       for (int64_t k0 = 0; k0 < nkeys; k0 += KG) {
         const int64_t gpos = first + k0, nk = std::min(KG, nkeys - k0);
