@@ -226,6 +226,41 @@ inline void tile_blocks(int64_t n, const std::vector<int64_t>& start, const std:
   }
 }
 
+// A tile's blocks, in position order, into visits (they must run on without a gap), up to its last
+// real query's position: the position of the first block's first slot, and how many positions from
+// there the tile may see (a key-group path walks them 32 at a time).
+inline std::pair<int64_t, int64_t> tile_keys(int64_t n, int64_t Qt, const int64_t* qpos, const std::vector<int64_t>& start,
+                                             const std::vector<int64_t>& order, const int64_t* ppos0,
+                                             const int64_t* pblocks, int64_t KT, int64_t bs, int64_t num_blocks,
+                                             std::vector<std::pair<int64_t, int64_t>>& visits) {
+  int64_t last = std::numeric_limits<int64_t>::min();
+  for (int64_t t = 0; t < Qt; ++t)
+    if (qpos[n * Qt + t] < PAD_POS) last = std::max(last, qpos[n * Qt + t]);
+  tile_blocks(n, start, order, ppos0, pblocks, KT, bs, last, num_blocks, visits);
+  const int64_t first = visits.empty() ? 0 : visits[0].second;
+  for (size_t i = 0; i < visits.size(); ++i)
+    TORCH_CHECK(visits[i].second == first + int64_t(i) * bs, "paged attention: a tile's key tiles must run on without a gap");
+  return {first, visits.empty() ? 0 : std::min<int64_t>(visits.size() * bs, last - first + 1)};
+}
+
+// The rows that see some of a group of nk positions from gpos: every query head g of each token t
+// (positions q_pos[t], Qt of them) that sees one, as row base + t * G + g into act, with the slots it
+// sees (causal, and inside a sliding window) as bits into mask. How many.
+inline int64_t group_rows(const int64_t* q_pos, int64_t Qt, int64_t G, int64_t base, int64_t gpos, int64_t nk,
+                          int64_t window, int64_t* act, uint32_t* mask) {
+  int64_t na = 0;
+  for (int64_t t = 0; t < Qt; ++t) {
+    const int64_t qpos_t = q_pos[t];
+    if (qpos_t >= PAD_POS || qpos_t < gpos) continue;
+    const int64_t hi = std::min(nk, qpos_t - gpos + 1);
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos_t - window + 1 - gpos) : 0;
+    if (hi <= lo) continue;
+    const uint32_t visible = uint32_t(((uint64_t(1) << hi) - 1) & ~((uint64_t(1) << lo) - 1));
+    for (int64_t g = 0; g < G; ++g) act[na] = base + t * G + g, mask[na++] = visible;
+  }
+  return na;
+}
+
 constexpr int64_t AHEAD = 512;  // positions ahead of the fold whose blocks a task reads in advance
 
 // Read a word of each 64-byte line of [k, k + bytes) and [v, v + bytes): the lines are on their way
@@ -236,6 +271,39 @@ inline void read_ahead(const void* k, const void* v, int64_t bytes, int& sink) {
     sink += *reinterpret_cast<const volatile int*>(static_cast<const char*>(k) + byte);
     sink += *reinterpret_cast<const volatile int*>(static_cast<const char*>(v) + byte);
   }
+}
+
+// A key group of a task's tile (nk positions from slot k0 of its blocks, visits): the lines of every
+// head of the task (KV heads h0 .. h0 + width) of the blocks up to slot `upto` read, those not read
+// yet (fetched counts them); head h0's rows of the group's keys and values into krow and vrow.
+template <typename T>
+inline void group_keys(const std::vector<std::pair<int64_t, int64_t>>& visits, size_t& fetched, int64_t upto,
+                       const T* kp, const T* vp, int64_t Hkv, int64_t h0, int64_t width, int64_t bs, int64_t D,
+                       int64_t k0, int64_t nk, const T** krow, const T** vrow, int& sink) {
+  const int64_t head = bs * D;  // elements from one KV head's rows of a block to the next head's
+  for (; fetched < visits.size() && int64_t(fetched) * bs < upto; ++fetched) {
+    const int64_t off = (visits[fetched].first * Hkv + h0) * head;
+    read_ahead(kp + off, vp + off, width * head * int64_t(sizeof(T)), sink);
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    const int64_t slot = k0 + j;
+    const int64_t off = ((visits[slot / bs].first * Hkv + h0) * bs + slot % bs) * D;
+    krow[j] = kp + off, vrow[j] = vp + off;
+  }
+}
+
+// A task's query rows (tile n, KV heads h0 .. h0 + width): row hh * Qt * G + t * G + g is head h0 + hh,
+// token t, query head g, at its query in q; and a fresh online softmax for them (acc 0, max -inf, sum 0).
+template <typename T>
+inline void start_task(const T* qp, int64_t n, int64_t Qt, int64_t Hkv, int64_t G, int64_t D, int64_t h0,
+                       int64_t width, std::vector<const T*>& rows, std::vector<float>& acc, std::vector<float>& m,
+                       std::vector<float>& l) {
+  const int64_t QG = Qt * G;
+  for (int64_t hh = 0; hh < width; ++hh)
+    for (int64_t r = 0; r < QG; ++r) rows[hh * QG + r] = qp + (((n * Qt + r / G) * Hkv + h0 + hh) * G + r % G) * D;
+  std::fill(acc.begin(), acc.end(), 0.f);
+  std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(l.begin(), l.end(), 0.f);
 }
 
 // The intra-op threads, each taking the next task as it finishes one: a step's tasks differ in cost
@@ -471,7 +539,7 @@ void attend_bdot(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     std::vector<const T*> rows(rows_n), krow(KG), vrow(KG), qrun(bdot::MAX_RB);
     // the group's active rows: their index, mask, scores, max change, alpha (padded for vector exps) and weights
     std::vector<int64_t> act(rows_n);
-    std::vector<__mmask32> amask(rows_n);
+    std::vector<uint32_t> amask(rows_n);  // a __mmask32 each
     std::vector<float> sc_buf(rows_n * KG + LANES), delta(rows_n + LANES), alpha_buf(rows_n + 2 * LANES);
     std::vector<uint32_t> wts_buf(rows_n * KG / 2 + LANES);
     float* const sc = bdot::aligned64(sc_buf.data());  // the passes' vectors, on whole lines
@@ -483,43 +551,15 @@ void attend_bdot(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     const int cb = D % 64 == 0;
     for (int64_t task; (task = next()) >= 0;) {
       const int64_t n = task / split, h0 = task % split * width;
-      for (int64_t hh = 0; hh < width; ++hh)  // row hh * QG + t * G + g: head h0 + hh, token t, query head g
-        for (int64_t r = 0; r < QG; ++r) rows[hh * QG + r] = qp + (((n * Qt + r / G) * Hkv + h0 + hh) * G + r % G) * D;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      int64_t last = std::numeric_limits<int64_t>::min();
-      for (int64_t t = 0; t < Qt; ++t)
-        if (qpos[n * Qt + t] < PAD_POS) last = std::max(last, qpos[n * Qt + t]);
-      tile_blocks(n, start, order, ppos0, pblocks, KT, bs, last, num_blocks, visits);
-      const int64_t first = visits.empty() ? 0 : visits[0].second;  // the position of the first block's first slot
-      for (size_t i = 0; i < visits.size(); ++i)
-        TORCH_CHECK(visits[i].second == first + int64_t(i) * bs, "paged attention: a tile's key tiles must run on without a gap");
-      const int64_t nkeys = visits.empty() ? 0 : std::min<int64_t>(visits.size() * bs, last - first + 1);
+      start_task(qp, n, Qt, Hkv, G, D, h0, width, rows, acc, m, l);
+      const auto [first, nkeys] = tile_keys(n, Qt, qpos, start, order, ppos0, pblocks, KT, bs, num_blocks, visits);
       size_t fetched = 0;  // visits whose lines have been read ahead
       for (int64_t k0 = 0; k0 < nkeys; k0 += KG) {
         const int64_t gpos = first + k0, nk = std::min(KG, nkeys - k0);
-        for (; fetched < visits.size() && int64_t(fetched) * bs < k0 + KG + AHEAD; ++fetched) {
-          const int64_t off = (visits[fetched].first * Hkv + h0) * head;  // every head of the task
-          read_ahead(kp + off, vp + off, width * head * int64_t(sizeof(T)), sink);
-        }
-        for (int64_t j = 0; j < nk; ++j) {  // head h0's rows of the group's keys
-          const int64_t slot = k0 + j;
-          const int64_t off = ((visits[slot / bs].first * Hkv + h0) * bs + slot % bs) * D;
-          krow[j] = kp + off, vrow[j] = vp + off;
-        }
+        group_keys(visits, fetched, k0 + KG + AHEAD, kp, vp, Hkv, h0, width, bs, D, k0, nk, krow.data(), vrow.data(), sink);
         for (int64_t hh = 0; hh < width; ++hh) {  // a head at a time: its pack, then its rows' passes
           bdot::pack(krow.data(), vrow.data(), hh * head, D, nk, kpack.data(), vpack.data());
-          int64_t na = 0;  // the rows that see some of the group
-          for (int64_t t = 0; t < Qt; ++t) {
-            const int64_t qpos_t = qpos[n * Qt + t];
-            if (qpos_t >= PAD_POS || qpos_t < gpos) continue;
-            const int64_t hi = std::min(nk, qpos_t - gpos + 1);
-            const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos_t - window + 1 - gpos) : 0;
-            if (hi <= lo) continue;
-            const uint64_t visible = ((uint64_t(1) << hi) - 1) & ~((uint64_t(1) << lo) - 1);
-            for (int64_t g = 0; g < G; ++g) act[na] = hh * QG + t * G + g, amask[na++] = static_cast<__mmask32>(visible);
-          }
+          const int64_t na = group_rows(qpos + n * Qt, Qt, G, hh * QG, gpos, nk, window, act.data(), amask.data());
           if (na <= bdot::MAX_RB) {  // a decode tile's rows: one fold
             if (na)
               bdot::FOLDS[cb][na](act.data(), amask.data(), rows.data(), kpack.data(), vpack.data(), D, fscale, cap, m.data(),
@@ -752,46 +792,18 @@ void attend_lanes8(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     int sink = 0;  // the read-ahead words, unused
     for (int64_t task; (task = next()) >= 0;) {
       const int64_t n = task / split, h0 = task % split * width;
-      for (int64_t hh = 0; hh < width; ++hh)  // row hh * QG + t * G + g: head h0 + hh, token t, query head g
-        for (int64_t r = 0; r < QG; ++r) rows[hh * QG + r] = qp + (((n * Qt + r / G) * Hkv + h0 + hh) * G + r % G) * D;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      int64_t last = std::numeric_limits<int64_t>::min();
-      for (int64_t t = 0; t < Qt; ++t)
-        if (qpos[n * Qt + t] < PAD_POS) last = std::max(last, qpos[n * Qt + t]);
-      tile_blocks(n, start, order, ppos0, pblocks, KT, bs, last, num_blocks, visits);
-      const int64_t first = visits.empty() ? 0 : visits[0].second;  // the position of the first block's first slot
-      for (size_t i = 0; i < visits.size(); ++i)
-        TORCH_CHECK(visits[i].second == first + int64_t(i) * bs, "paged attention: a tile's key tiles must run on without a gap");
-      const int64_t nkeys = visits.empty() ? 0 : std::min<int64_t>(visits.size() * bs, last - first + 1);
+      start_task(qp, n, Qt, Hkv, G, D, h0, width, rows, acc, m, l);
+      const auto [first, nkeys] = tile_keys(n, Qt, qpos, start, order, ppos0, pblocks, KT, bs, num_blocks, visits);
       // Each group's lines, every head of the task, are read just before its fold: on a 2-core Zen 3,
       // reading AHEAD positions in advance (as the paths above do) took batch-64 decode attention from
       // 55-60 to 60-66 ms a step, and reading none to 80 ms (the loads' misses overlap each other).
       size_t fetched = 0;  // visits whose lines have been read
       for (int64_t k0 = 0; k0 < nkeys; k0 += KG) {
         const int64_t gpos = first + k0, nk = std::min(KG, nkeys - k0);
-        for (; fetched < visits.size() && int64_t(fetched) * bs < k0 + KG; ++fetched) {  // the group's own blocks
-          const int64_t off = (visits[fetched].first * Hkv + h0) * head;  // every head of the task
-          read_ahead(kp + off, vp + off, width * head * int64_t(sizeof(float)), sink);
-        }
-        for (int64_t j = 0; j < nk; ++j) {  // head h0's rows of the group's keys
-          const int64_t slot = k0 + j;
-          const int64_t off = ((visits[slot / bs].first * Hkv + h0) * bs + slot % bs) * D;
-          krow[j] = kp + off, vrow[j] = vp + off;
-        }
+        group_keys(visits, fetched, k0 + KG, kp, vp, Hkv, h0, width, bs, D, k0, nk, krow.data(), vrow.data(), sink);
         for (int64_t hh = 0; hh < width; ++hh) {  // a head at a time: its pack, then its rows' passes
           pack_keys(krow.data(), hh * head, D, nk, zeros.data(), kpack.data());
-          int64_t na = 0;  // the rows that see some of the group
-          for (int64_t t = 0; t < Qt; ++t) {
-            const int64_t qpos_t = qpos[n * Qt + t];
-            if (qpos_t >= PAD_POS || qpos_t < gpos) continue;
-            const int64_t hi = std::min(nk, qpos_t - gpos + 1);
-            const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos_t - window + 1 - gpos) : 0;
-            if (hi <= lo) continue;
-            const uint32_t visible = uint32_t(((uint64_t(1) << hi) - 1) & ~((uint64_t(1) << lo) - 1));
-            for (int64_t g = 0; g < G; ++g) act[na] = hh * QG + t * G + g, amask[na++] = visible;
-          }
+          const int64_t na = group_rows(qpos + n * Qt, Qt, G, hh * QG, gpos, nk, window, act.data(), amask.data());
           if (na <= MAX_RB) {  // a decode tile's rows: one fold
             if (na)
               with_rows(na, [&](auto R) {
