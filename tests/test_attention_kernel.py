@@ -228,6 +228,37 @@ def test_padding_rows_are_skipped_and_read_no_block_past_the_prompt(op):
     assert torch.equal(out[~g.valid], torch.zeros_like(out[~g.valid]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_step_op_reads_and_writes_each_token_in_place_with_the_same_bits(op, dtype):
+    """paged_step, the engine's call: a step's decode rows, prompt chunks (with padding rows) and verify
+    tiles in one call on the step's q, each token's output where its query is, bit for bit what the
+    tile op gives on gathered queries; padding rows (pointing at token 0) write nothing."""
+    chunks = [[(c, 1) for c in (0, 63, 200)], [(0, 150), (40, 90)], [(20, 4), (99, 4)]]
+    widths = [(1, DECODE_KEYS), (PREFILL_TILE, PREFILL_KEYS), (4, DECODE_KEYS)]
+    groups, base = [], 0
+    gen = torch.Generator().manual_seed(3)
+    builders = [_TileBuilder(w) for w, _ in widths]
+    for b, (w, keys), cs in zip(builders, widths, chunks):
+        for start, n in cs:
+            table = torch.randperm(BLOCKS, generator=gen)[:(start + n - 1) // BS + 1].tolist()
+            b.add(SimpleNamespace(start=start, num_tokens=n), base, table, BS, max(1, keys // BS))
+            base += n
+    groups = [b.group({"dtype": torch.long, "device": "cpu"}) for b in builders]
+    q, k, v = tensors(base, dtype)
+    got = torch.ops.batchgen_attention.paged_step(q, k, v, *([getattr(g, f) for g in groups] for f in (
+        "token_idx", "q_pos", "pair_tile", "pair_blocks", "pair_pos0")), 0.125, 0, 0.0)
+    want = torch.full_like(q, float("nan"))
+    for g in groups:
+        o = op(q[g.token_idx], k, v, g.q_pos, g.pair_tile, g.pair_blocks, g.pair_pos0, 0.125, 0, 0.0)
+        keep = g.valid if g.valid is not None else torch.ones_like(g.token_idx, dtype=torch.bool)
+        want[g.token_idx[keep]] = o[keep]
+    assert not want.isnan().any()  # the groups cover every token of the step once
+    assert torch.equal(got, want)
+    # the engine's backend makes this call
+    meta = SimpleNamespace(decode=groups[0], prefill=groups[1], verify=groups[2])
+    assert torch.equal(CpuPagedAttention()(q, k, v, meta, 0.125), want)
+
+
 def test_kernel_refuses_bad_input(op):
     g, T = plan([(10, 1)], 1, DECODE_KEYS)
     q, k, v = tensors(T, torch.float32)

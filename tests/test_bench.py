@@ -256,7 +256,7 @@ def test_the_step_profiler_splits_each_phase_into_classes(tiny_model_dir):
     assert all(profile.classify(k) == "fused elementwise" for k in ("batchgen_rmsnorm::rms_norm", "batchgen_rope::rope",
                                                                    "batchgen_act::silu_mul"))
     assert profile.classify("batchgen_rmsnorm::rms_norm") == "fused elementwise"
-    row = profile.profile_batch(tiny_model_dir, 2, decode_steps=3, compile_="off")
+    row = profile.profile_batch(tiny_model_dir, 2, decode_steps=3, compile_="off", ops=5)
     assert set(row["phases"]) == {"prefill", "decode"}
     for phase in row["phases"].values():
         assert phase["steps"] > 0 and phase["wall_s"] > 0
@@ -264,6 +264,9 @@ def test_the_step_profiler_splits_each_phase_into_classes(tiny_model_dir):
         assert abs(sum(phase["shares"].values()) - 1) < 1e-9
     assert row["phases"]["decode"]["shares"]["GEMM"] > 0 and row["phases"]["decode"]["shares"]["attention"] > 0
     assert "GEMM" in profile.format_rows([row])
+    top = row["phases"]["prefill"]["ops"]  # --ops: the phase's ops by own time, most first
+    assert 0 < len(top) <= 5 and [t[2] for t in top] == sorted((t[2] for t in top), reverse=True)
+    assert "batch 2 prefill: the ops with the most own time" in profile.format_rows([row])
 
 
 def test_the_targets_judge_each_engine_against_its_peer_in_the_same_dtype():

@@ -43,6 +43,31 @@ def test_gemv_matches_torch_for_every_row_count_and_a_ragged_last_block(n, k, ro
 
 
 @needs_kernel
+@pytest.mark.parametrize("i,k", [(1536, 576), (37, 64), (3, 5)])  # SmolLM2's MLP; I short of a block
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_swiglu_in_the_kernel_has_the_bits_of_the_matmul_then_the_activation(i, k, rows):
+    """gemv_swiglu (the gate/up matmul applying SwiGLU as it writes) against gemv then the silumul
+    kernel: the same bits, whatever the rows; the plain product from its blocks stays the matmul's."""
+    from batchgen.model import activation
+
+    if activation.load() is not None:
+        pytest.skip(f"silumul kernel unavailable: {activation.load()}")
+    g = torch.Generator().manual_seed(i + rows)
+    w = torch.randn(2 * i, k, generator=g) / k ** 0.5
+    x = torch.randn(rows, k, generator=g) * 3
+    plain, fused = Linear(w.clone(), gemv_width=WIDTH), Linear(w.clone(), gemv_width=WIDTH)
+    assert fused.fuse_swiglu() and fused.blocked is None and "SwiGLU" in fused.layout
+    want = activation.silu_mul(plain(x))
+    got = fused.swiglu(x)
+    assert got.shape == (rows, i) and torch.equal(got, want)
+    assert torch.equal(fused.swiglu(x[-1:]), want[-1:])  # a row alone: its bits as in the batch
+    assert torch.equal(fused(x), plain(x))
+    # a weight off the gemv kernel (or with a bias) keeps the matmul and the activation apart
+    assert not Linear(w.clone(), torch.zeros(2 * i), gemv_width=WIDTH).fuse_swiglu()
+    assert not Linear(w.clone(), gemv_width=None).fuse_swiglu()
+
+
+@needs_kernel
 def test_gemv_runs_inside_a_compiled_function():
     """A compiled decode step calls the kernel as an opaque op (its fake gives Inductor the shape)."""
     w = torch.randn(100, 64)

@@ -57,7 +57,15 @@ def shares(prof, wall_s: float) -> dict[str, float]:
     return {k: v / total for k, v in got.items()}
 
 
-def profile_batch(model_dir, batch: int, decode_steps: int, compile_: str = "on") -> dict:
+def top_ops(prof, steps: int, n: int) -> list[tuple[str, str, float, int]]:
+    """The n ops with the most own time: (name, class, ms a step, calls a step)."""
+    evs = [ev for ev in prof.key_averages() if not ev.key.startswith(("ProfilerStep", "##"))]
+    evs.sort(key=lambda ev: -ev.self_cpu_time_total)
+    s = max(steps, 1)
+    return [(ev.key, classify(ev.key), ev.self_cpu_time_total / 1e3 / s, round(ev.count / s)) for ev in evs[:n]]
+
+
+def profile_batch(model_dir, batch: int, decode_steps: int, compile_: str = "on", ops: int = 0) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -80,14 +88,16 @@ def profile_batch(model_dir, batch: int, decode_steps: int, compile_: str = "on"
             r = e.step()
             steps, tokens = steps + 1, tokens + r.num_prefill_tokens
         wall = time.perf_counter() - t0
-    phases["prefill"] = {"steps": steps, "tokens": tokens, "wall_s": wall, "shares": shares(prof, wall)}
+    phases["prefill"] = {"steps": steps, "tokens": tokens, "wall_s": wall, "shares": shares(prof, wall),
+                         "ops": top_ops(prof, steps, ops)}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0, steps = time.perf_counter(), 0
         while e.has_unfinished() and steps < decode_steps:
             e.step()
             steps += 1
         wall = time.perf_counter() - t0
-    phases["decode"] = {"steps": steps, "tokens": steps * batch, "wall_s": wall, "shares": shares(prof, wall)}
+    phases["decode"] = {"steps": steps, "tokens": steps * batch, "wall_s": wall, "shares": shares(prof, wall),
+                        "ops": top_ops(prof, steps, ops)}
     while e.has_unfinished():
         e.step()
     c = e.conditions()
@@ -105,6 +115,11 @@ def format_rows(rows: list[dict]) -> str:
             ms = 1e3 * p["wall_s"] / max(p["steps"], 1)
             lines.append(f"{r['batch']:>5} {phase:<8} {r['dtype']:<9} {ms:>8.1f} "
                          + " ".join(f"{100 * p['shares'][c]:>11.0f}%" for c in CLASSES))
+    for r in rows:
+        for phase, p in r["phases"].items():
+            if p.get("ops"):
+                lines.append(f"batch {r['batch']} {phase}: the ops with the most own time (ms a step, calls a step)")
+                lines += [f"  {ms:9.1f} {calls:6d}  {cls:<17} {name}" for name, cls, ms, calls in p["ops"]]
     return "\n".join(lines)
 
 
@@ -119,11 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--ops", type=int, default=0, help="also list each phase's N ops with the most own time")
     a = p.parse_args(argv)
     model = resolve_model(a.model)
     rows = []
     for b in (int(x) for x in a.batches.split(",")):
-        rows.append(profile_batch(model, b, decode_steps=a.decode_steps))
+        rows.append(profile_batch(model, b, decode_steps=a.decode_steps, ops=a.ops))
         print(f"  batch {b} done", flush=True)
     print(f"step profile, {time.strftime('%Y-%m-%d %H:%M')}: {cpu_model()} ({cpu_features()}), "
           f"{rows[0]['threads']} torch threads; native engine, dtype auto, compile on, attention "

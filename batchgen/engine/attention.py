@@ -83,17 +83,13 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        out = torch.empty_like(q)
-        for g in (meta.decode, meta.prefill, meta.verify):
-            if g is None:
-                continue
-            o = torch.ops.batchgen_attention.paged(q[g.token_idx], k_cache, v_cache, g.q_pos, g.pair_tile,
-                                                   g.pair_blocks, g.pair_pos0, scale, window or 0, softcap or 0.0)
-            if g.valid is None:
-                out[g.token_idx.view(-1)] = o.reshape(-1, *q.shape[1:])
-            else:
-                out[g.token_idx[g.valid]] = o[g.valid]
-        return out
+        # one call for every group: the kernel reads each tile's queries where they are in q and writes
+        # each token's output there (no gathered copy, no scatter)
+        groups = [g for g in (meta.decode, meta.prefill, meta.verify) if g is not None]
+        return torch.ops.batchgen_attention.paged_step(
+            q, k_cache, v_cache, [g.token_idx for g in groups], [g.q_pos for g in groups],
+            [g.pair_tile for g in groups], [g.pair_blocks for g in groups], [g.pair_pos0 for g in groups], scale,
+            window or 0, softcap or 0.0)
 
 
 def select_backend(device: str, name: str = "auto"):

@@ -125,9 +125,11 @@ class ModelRunner:
         if config.device == "cpu":
             # faster than torch's ops, and the same bits in the eager and the compiled step: the norm sums each
             # row in one order (Inductor's fused norm does not add as ATen's does), RoPE rounds where ATen does
+            # and the gate/up matmul on the gemv kernel applies SwiGLU as it writes (the same bits again)
+            silu = activation.silu_mul if activation.load() is None else None
             model.use_kernels(norm=rmsnorm.rms_norm if rmsnorm.load() is None else None,
-                              rope=rope.apply_rope if rope.load() is None else None,
-                              silu=activation.silu_mul if activation.load() is None else None)
+                              rope=rope.apply_rope if rope.load() is None else None, silu=silu,
+                              fuse_swiglu=silu is not None)
         if dtype == "float32" and config.fp32_kernel == "auto" and fp32_why:
             model.layout_note = fp32_why  # which kernel auto took for this band, and the figures
         return model, dtype, why, quantization
@@ -199,6 +201,7 @@ class ModelRunner:
         mats = [m for l in self.model.layers for m in (l.qkv, l.o, l.gate_up, l.down)] + [self.model.lm_head]
         loose = sorted({m.layout for m in mats if not (isinstance(m, ggml.BlockLinear) or
                                                        getattr(m, "blocked", None) is not None or
+                                                       getattr(m, "gated", None) is not None or
                                                        getattr(m, "tiled", None) is not None)})
         if loose:
             return (f"off: {self.dtype} weights on {', '.join(loose)}, whose row sums depend on the batch "

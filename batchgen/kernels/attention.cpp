@@ -64,7 +64,16 @@ inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_f(c10::Half x) { return static_cast<float>(x); }
 
 constexpr int64_t PAD_POS = int64_t(1) << 40;  // attention_metadata.FAR: a padding query row
-constexpr int64_t MAX_BS = 256;  // block sizes the vector path holds scores for (larger: config allows 1024)
+constexpr int64_t MAX_BS = 256;
+
+// Where a group's query tiles are in the step: tile n's token t is token tok[n * Qt + t] of q and out,
+// both [T, Hkv, G, D]. A padding row (q_pos PAD_POS) is read from the token its index names (any) and,
+// where write_pad is false, never written: the engine's op writes every group's rows into one output.
+struct Tiles {
+  int64_t N, Qt;
+  const int64_t* tok;
+  bool write_pad;
+};  // block sizes the vector path holds scores for (larger: config allows 1024)
 
 // [x0 + x1, x2 + x3, ..., y0 + y1, y2 + y3, ...]: neighbouring lanes of x, then of y, added
 inline vec pairsum(vec x, vec y) {
@@ -293,14 +302,14 @@ inline void group_keys(const std::vector<std::pair<int64_t, int64_t>>& visits, s
 }
 
 // A task's query rows (tile n, KV heads h0 .. h0 + width): row hh * Qt * G + t * G + g is head h0 + hh,
-// token t, query head g, at its query in q; and a fresh online softmax for them (acc 0, max -inf, sum 0).
+// the tile's token t, query head g, at its query in q; and a fresh online softmax for them (acc 0, max -inf, sum 0).
 template <typename T>
-inline void start_task(const T* qp, int64_t n, int64_t Qt, int64_t Hkv, int64_t G, int64_t D, int64_t h0,
+inline void start_task(const T* qp, const Tiles& tl, int64_t n, int64_t Hkv, int64_t G, int64_t D, int64_t h0,
                        int64_t width, std::vector<const T*>& rows, std::vector<float>& acc, std::vector<float>& m,
                        std::vector<float>& l) {
-  const int64_t QG = Qt * G;
+  const int64_t Qt = tl.Qt, QG = Qt * G;
   for (int64_t hh = 0; hh < width; ++hh)
-    for (int64_t r = 0; r < QG; ++r) rows[hh * QG + r] = qp + (((n * Qt + r / G) * Hkv + h0 + hh) * G + r % G) * D;
+    for (int64_t r = 0; r < QG; ++r) rows[hh * QG + r] = qp + ((tl.tok[n * Qt + r / G] * Hkv + h0 + hh) * G + r % G) * D;
   std::fill(acc.begin(), acc.end(), 0.f);
   std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
   std::fill(l.begin(), l.end(), 0.f);
@@ -508,13 +517,13 @@ constexpr Fold FOLDS[2][7] = {
 // block, D a multiple of 32 (a plan's key tiles must then span whole groups: checked per call)
 inline bool bdot_fits(int64_t bs, int64_t D) { return (bs % bdot::KG == 0 || bdot::KG % bs == 0) && D % 32 == 0 && D <= 512; }
 
-void attend_bdot(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_pos,
+void attend_bdot(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_pos,
                  const at::Tensor& pair_tile, const at::Tensor& pair_blocks, const at::Tensor& pair_pos0,
                  const std::vector<int64_t>& start, const std::vector<int64_t>& order, double scale, int64_t window,
                  double softcap, at::Tensor& out) {
   using T = c10::BFloat16;
   constexpr int64_t KG = bdot::KG, LANES = bdot::LANES;
-  const int64_t N = q.size(0), Qt = q.size(1), Hkv = q.size(2), G = q.size(3), D = q.size(4);
+  const int64_t N = tl.N, Qt = tl.Qt, Hkv = q.size(1), G = q.size(2), D = q.size(3);
   const int64_t bs = k_cache.size(2), KT = pair_blocks.size(1), QG = Qt * G, num_blocks = k_cache.size(0);
   TORCH_CHECK((KT * bs) % KG == 0, "paged attention: key tiles of ", KT, " blocks of ", bs,
               " slots do not span whole groups of ", KG, " positions");
@@ -551,7 +560,7 @@ void attend_bdot(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     const int cb = D % 64 == 0;
     for (int64_t task; (task = next()) >= 0;) {
       const int64_t n = task / split, h0 = task % split * width;
-      start_task(qp, n, Qt, Hkv, G, D, h0, width, rows, acc, m, l);
+      start_task(qp, tl, n, Hkv, G, D, h0, width, rows, acc, m, l);
       const auto [first, nkeys] = tile_keys(n, Qt, qpos, start, order, ppos0, pblocks, KT, bs, num_blocks, visits);
       size_t fetched = 0;  // visits whose lines have been read ahead
       for (int64_t k0 = 0; k0 < nkeys; k0 += KG) {
@@ -583,6 +592,7 @@ void attend_bdot(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         }
       }
       for (int64_t r = 0; r < width * QG; ++r) {
+        if (!tl.write_pad && qpos[n * Qt + r % QG / G] >= PAD_POS) continue;
         const float sum = _mm512_reduce_add_ps(_mm512_loadu_ps(&l[r * LANES]));
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
         T* dst = op + (rows[r] - qp);  // the output sits where the row's query does
@@ -761,11 +771,11 @@ inline bool lanes8_fits(int64_t bs, int64_t D, int64_t KT, const at::Tensor& pai
   return true;
 }
 
-void attend_lanes8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_pos,
+void attend_lanes8(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_pos,
                    const at::Tensor& pair_blocks, const at::Tensor& pair_pos0, const std::vector<int64_t>& start,
                    const std::vector<int64_t>& order, double scale, int64_t window, double softcap, at::Tensor& out) {
   using namespace lanes8;
-  const int64_t N = q.size(0), Qt = q.size(1), Hkv = q.size(2), G = q.size(3), D = q.size(4);
+  const int64_t N = tl.N, Qt = tl.Qt, Hkv = q.size(1), G = q.size(2), D = q.size(3);
   const int64_t bs = k_cache.size(2), KT = pair_blocks.size(1), QG = Qt * G, num_blocks = k_cache.size(0);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -792,7 +802,7 @@ void attend_lanes8(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     int sink = 0;  // the read-ahead words, unused
     for (int64_t task; (task = next()) >= 0;) {
       const int64_t n = task / split, h0 = task % split * width;
-      start_task(qp, n, Qt, Hkv, G, D, h0, width, rows, acc, m, l);
+      start_task(qp, tl, n, Hkv, G, D, h0, width, rows, acc, m, l);
       const auto [first, nkeys] = tile_keys(n, Qt, qpos, start, order, ppos0, pblocks, KT, bs, num_blocks, visits);
       // Each group's lines, every head of the task, are read just before its fold: on a 2-core Zen 3,
       // reading AHEAD positions in advance (as the paths above do) took batch-64 decode attention from
@@ -828,6 +838,7 @@ void attend_lanes8(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         }
       }
       for (int64_t r = 0; r < rows_n; ++r) {
+        if (!tl.write_pad && qpos[n * Qt + r % QG / G] >= PAD_POS) continue;
         alignas(32) float t[W];
         std::memcpy(t, &l[r * W], sizeof t);
         const float sum = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
@@ -841,10 +852,10 @@ void attend_lanes8(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 #endif
 
 template <typename T>
-void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_pos,
+void attend(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_pos,
             const at::Tensor& pair_tile, const at::Tensor& pair_blocks, const at::Tensor& pair_pos0, double scale,
             int64_t window, double softcap, at::Tensor& out) {
-  const int64_t N = q.size(0), Qt = q.size(1), Hkv = q.size(2), G = q.size(3), D = q.size(4);
+  const int64_t N = tl.N, Qt = tl.Qt, Hkv = q.size(1), G = q.size(2), D = q.size(3);
   const int64_t bs = k_cache.size(2), P = pair_tile.size(0), KT = pair_blocks.size(1);
   const int64_t QG = Qt * G;
   const T* qp = q.data_ptr<T>();
@@ -874,8 +885,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (bdot_fits(bs, D)) {
-      attend_bdot(q, k_cache, v_cache, q_pos, pair_tile, pair_blocks, pair_pos0, start, order, scale, window, softcap,
-                  out);
+      attend_bdot(q, tl, k_cache, v_cache, q_pos, pair_tile, pair_blocks, pair_pos0, start, order, scale, window,
+                  softcap, out);
       return;
     }
   }
@@ -883,7 +894,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
     if (lanes8_fits(bs, D, KT, pair_pos0)) {
-      attend_lanes8(q, k_cache, v_cache, q_pos, pair_blocks, pair_pos0, start, order, scale, window, softcap, out);
+      attend_lanes8(q, tl, k_cache, v_cache, q_pos, pair_blocks, pair_pos0, start, order, scale, window, softcap, out);
       return;
     }
   }
@@ -899,7 +910,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       // the tile's queries of this KV head, as float32 rows r = t * G + g
       for (int64_t t = 0; t < Qt; ++t)
         for (int64_t g = 0; g < G; ++g) {
-          const T* src = qp + (((n * Qt + t) * Hkv + h) * G + g) * D;
+          const T* src = qp + ((tl.tok[n * Qt + t] * Hkv + h) * G + g) * D;
           float* dst = qf.data() + (t * G + g) * D;
           for (int64_t d = 0; d < D; ++d) dst[d] = to_f(src[d]);
         }
@@ -948,47 +959,95 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           }
         }
       }
-      for (int64_t t = 0; t < Qt; ++t)
+      for (int64_t t = 0; t < Qt; ++t) {
+        if (!tl.write_pad && qpos[n * Qt + t] >= PAD_POS) continue;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = t * G + g;
-          T* dst = op + (((n * Qt + t) * Hkv + h) * G + g) * D;
+          T* dst = op + ((tl.tok[n * Qt + t] * Hkv + h) * G + g) * D;
           const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;  // a row with no visible key (none planned) gives 0
           for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] * inv);
         }
+      }
     }
   });
 }
 
-void check(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_pos,
-           const at::Tensor& pair_tile, const at::Tensor& pair_blocks, const at::Tensor& pair_pos0) {
-  TORCH_CHECK(q.dim() == 5, "q must be [N, Qt, Hkv, G, D]");
+void check(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tok,
+           const at::Tensor& q_pos, const at::Tensor& pair_tile, const at::Tensor& pair_blocks,
+           const at::Tensor& pair_pos0) {
+  TORCH_CHECK(q.dim() == 4, "q must be [T, Hkv, G, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [blocks, Hkv, bs, D], alike");
-  TORCH_CHECK(k_cache.size(1) == q.size(2) && k_cache.size(3) == q.size(4), "q and the caches disagree on Hkv or D");
+  TORCH_CHECK(k_cache.size(1) == q.size(1) && k_cache.size(3) == q.size(3), "q and the caches disagree on Hkv or D");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "q and the caches must share a dtype");
-  TORCH_CHECK(q_pos.dim() == 2 && q_pos.size(0) == q.size(0) && q_pos.size(1) == q.size(1), "q_pos must be [N, Qt]");
+  TORCH_CHECK(tok.dim() == 2 && q_pos.dim() == 2 && q_pos.sizes() == tok.sizes(), "q_pos must be [N, Qt], as token_idx");
   TORCH_CHECK(pair_tile.dim() == 1 && pair_blocks.dim() == 2 && pair_pos0.dim() == 1 &&
                   pair_blocks.size(0) == pair_tile.size(0) && pair_pos0.size(0) == pair_tile.size(0),
               "pairs must be pair_tile [P], pair_blocks [P, KT], pair_pos0 [P]");
-  for (const auto* t : {&q_pos, &pair_tile, &pair_blocks, &pair_pos0})
-    TORCH_CHECK(t->scalar_type() == at::kLong, "positions and pairs must be int64");
+  for (const auto* t : {&tok, &q_pos, &pair_tile, &pair_blocks, &pair_pos0})
+    TORCH_CHECK(t->scalar_type() == at::kLong, "token indices, positions and pairs must be int64");
+  const int64_t T = q.size(0);
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tok.numel(); ++i) TORCH_CHECK(tp[i] >= 0 && tp[i] < T, "token_idx out of range");
 }
 
+// one group's tiles (tok [N, Qt] into q's tokens) into out, both [T, Hkv, G, D] and contiguous
+void attend_group(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tok,
+                  const at::Tensor& q_pos, const at::Tensor& pair_tile, const at::Tensor& pair_blocks,
+                  const at::Tensor& pair_pos0, double scale, int64_t window, double softcap, bool write_pad,
+                  at::Tensor& out) {
+  check(q, k_cache, v_cache, tok, q_pos, pair_tile, pair_blocks, pair_pos0);
+  auto kc = k_cache.contiguous(), vc = v_cache.contiguous();
+  auto tk = tok.contiguous(), pos = q_pos.contiguous(), pt = pair_tile.contiguous(), pb = pair_blocks.contiguous(),
+       p0 = pair_pos0.contiguous();
+  const Tiles tl{tk.size(0), tk.size(1), tk.data_ptr<int64_t>(), write_pad};
+  switch (q.scalar_type()) {
+    case at::kFloat: attend<float>(q, tl, kc, vc, pos, pt, pb, p0, scale, window, softcap, out); break;
+    case at::kBFloat16: attend<c10::BFloat16>(q, tl, kc, vc, pos, pt, pb, p0, scale, window, softcap, out); break;
+    case at::kHalf: attend<c10::Half>(q, tl, kc, vc, pos, pt, pb, p0, scale, window, softcap, out); break;
+    default: TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16, got ", q.scalar_type());
+  }
+}
+
+// q [N, Qt, Hkv, G, D], its tiles' queries in place -> [N, Qt, Hkv, G, D] (padding rows: 0)
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& q_pos, const at::Tensor& pair_tile, const at::Tensor& pair_blocks,
                            const at::Tensor& pair_pos0, double scale, int64_t window, double softcap) {
-  check(q, k_cache, v_cache, q_pos, pair_tile, pair_blocks, pair_pos0);
+  TORCH_CHECK(q.dim() == 5, "q must be [N, Qt, Hkv, G, D]");
+  TORCH_CHECK(q_pos.dim() == 2 && q_pos.size(0) == q.size(0) && q_pos.size(1) == q.size(1), "q_pos must be [N, Qt]");
   auto qc = q.contiguous();
-  auto kc = k_cache.contiguous(), vc = v_cache.contiguous();
-  auto pos = q_pos.contiguous(), pt = pair_tile.contiguous(), pb = pair_blocks.contiguous(),
-       p0 = pair_pos0.contiguous();
+  auto q4 = qc.view({q.size(0) * q.size(1), q.size(2), q.size(3), q.size(4)});
+  auto out = at::empty_like(q4);
+  const auto tok = at::arange(q4.size(0), q_pos.options().dtype(at::kLong)).view({q.size(0), q.size(1)});
+  attend_group(q4, k_cache, v_cache, tok, q_pos, pair_tile, pair_blocks, pair_pos0, scale, window, softcap, true, out);
+  return out.view(q.sizes());
+}
+
+// The engine's step: q [T, Hkv, G, D] for every token of the step, and its tile groups (decode, prompt
+// chunks, verify: each a token_idx [N, Qt] into the T tokens, with its positions and pairs) ->
+// [T, Hkv, G, D], each token's output where its query is. No gathered copy of the queries, no scatter
+// of the outputs (a 4,096-token prefill step's two were ~3 ms a layer on a 2-core Zen 3). A token in
+// none of the groups (none the planner makes) gives 0.
+at::Tensor paged_step(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      at::TensorList token_idx, at::TensorList q_pos, at::TensorList pair_tile,
+                      at::TensorList pair_blocks, at::TensorList pair_pos0, double scale, int64_t window,
+                      double softcap) {
+  const size_t n = token_idx.size();
+  TORCH_CHECK(q_pos.size() == n && pair_tile.size() == n && pair_blocks.size() == n && pair_pos0.size() == n,
+              "one token_idx, q_pos, pair_tile, pair_blocks and pair_pos0 per group");
+  auto qc = q.contiguous();
   auto out = at::empty_like(qc);
-  switch (q.scalar_type()) {
-    case at::kFloat: attend<float>(qc, kc, vc, pos, pt, pb, p0, scale, window, softcap, out); break;
-    case at::kBFloat16: attend<c10::BFloat16>(qc, kc, vc, pos, pt, pb, p0, scale, window, softcap, out); break;
-    case at::kHalf: attend<c10::Half>(qc, kc, vc, pos, pt, pb, p0, scale, window, softcap, out); break;
-    default: TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16, got ", q.scalar_type());
+  int64_t written = 0;  // real rows; the planner gives each of the step's tokens one
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(q_pos[i].scalar_type() == at::kLong, "token indices, positions and pairs must be int64");
+    const auto pos = q_pos[i].contiguous();
+    const int64_t* pp = pos.data_ptr<int64_t>();
+    for (int64_t j = 0; j < pos.numel(); ++j) written += pp[j] < PAD_POS;
   }
+  if (written != qc.size(0)) out.zero_();
+  for (size_t i = 0; i < n; ++i)
+    attend_group(qc, k_cache, v_cache, token_idx[i], q_pos[i], pair_tile[i], pair_blocks[i], pair_pos0[i], scale, window,
+                 softcap, false, out);
   return out;
 }
 
@@ -999,11 +1058,26 @@ at::Tensor paged_attention_meta(const at::Tensor& q, const at::Tensor& k_cache, 
   return at::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
 }
 
+at::Tensor paged_step_meta(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           at::TensorList token_idx, at::TensorList q_pos, at::TensorList pair_tile,
+                           at::TensorList pair_blocks, at::TensorList pair_pos0, double scale, int64_t window,
+                           double softcap) {
+  return at::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(batchgen_attention, m) {
   m.def("paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_pos, Tensor pair_tile, Tensor pair_blocks, "
         "Tensor pair_pos0, float scale, int window, float softcap) -> Tensor");
+  m.def("paged_step(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] token_idx, Tensor[] q_pos, "
+        "Tensor[] pair_tile, Tensor[] pair_blocks, Tensor[] pair_pos0, float scale, int window, float softcap) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(batchgen_attention, CPU, m) { m.impl("paged", &paged_attention); }
-TORCH_LIBRARY_IMPL(batchgen_attention, Meta, m) { m.impl("paged", &paged_attention_meta); }
+TORCH_LIBRARY_IMPL(batchgen_attention, CPU, m) {
+  m.impl("paged", &paged_attention);
+  m.impl("paged_step", &paged_step);
+}
+TORCH_LIBRARY_IMPL(batchgen_attention, Meta, m) {
+  m.impl("paged", &paged_attention_meta);
+  m.impl("paged_step", &paged_step_meta);
+}

@@ -7,11 +7,21 @@
 // registers: the shape of Inductor's own CPU GEMM template for small M, without its need for the
 // weights to be graph constants. It is built on the machine that runs it (batchgen/kernels,
 // -march=native), so the vector width below is the machine's.
+//
+// gemv_swiglu: SwiGLU's gate and up matmuls with the activation applied as each output tile leaves the
+// registers, silu(x Wg^T) * (x Wu^T), from a weight blocked so that block b holds gate columns
+// [b H, b H + H) then the same up columns (H = BN / 2). The [M, 2I] product is never written: in a
+// 4,096-token prefill step that is 50 MB a layer, faulted in afresh by the allocator, written and read
+// back by the activation. Each gate and up sum is the same chain of operations as gemv's, and the
+// activation the same as silumul.cpp's float32 one (vec.h's e^x), so the result has the bits of the two
+// ops one after the other.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cstring>
+
+#include "vec.h"
 
 #if defined(__AVX512F__)
 constexpr int VL = 16;  // floats per vector register
@@ -37,8 +47,47 @@ typedef float vec __attribute__((vector_size(VL * sizeof(float))));  // GCC/Clan
 
 static inline vec load(const float* p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
 
-// rows [0, ROWS) of x times one column block wb [K, BN]; y gets the first `cols` (<= BN) columns
-template <int ROWS>
+// The output of one column block: its first `cols` (<= BN) columns as they are (gemv; the last block of
+// an N that is not a multiple of BN drops its padding), or silu(gate) * up over its two halves (swiglu;
+// `cols` <= BN / 2 outputs)
+struct Plain {
+  static void put(const vec* acc, float* y, int64_t cols) {
+    if (cols == BN) {
+      std::memcpy(y, acc, BN * sizeof(float));  // a constant size: vector stores, not a call
+    } else {
+      std::memcpy(y, acc, cols * sizeof(float));
+    }
+  }
+};
+struct SwiGLU {
+  static constexpr int H = BN / 2;
+  static vec act(vec g, vec u) { return g / (batchgen_vec::splat(1.f) + batchgen_vec::vexp(-g)) * u; }  // silumul.cpp's float32
+  static void put(const vec* acc, float* y, int64_t cols) {
+    if constexpr (H % VL == 0) {  // AVX2 (NV = 2): the gate's vectors, then the up's
+      if (cols == H) {
+        for (int v = 0; v < NV / 2; ++v) {
+          const vec a = act(acc[v], acc[NV / 2 + v]);
+          std::memcpy(y + v * VL, &a, sizeof a);
+        }
+        return;
+      }
+    }
+    alignas(64) float t[BN + VL], o[H + VL];  // past BN: room for a last vector's spare lanes (discarded)
+    std::memcpy(t, acc, BN * sizeof(float));
+    for (int j = 0; j < H; j += VL) {
+      const vec a = act(load(t + j), load(t + H + j));
+      std::memcpy(o + j, &a, sizeof a);
+    }
+    if (cols == H) {
+      std::memcpy(y, o, H * sizeof(float));
+    } else {
+      std::memcpy(y, o, cols * sizeof(float));
+    }
+  }
+};
+
+// rows [0, ROWS) of x times one column block wb [K, BN], put to y by Out
+template <int ROWS, typename Out>
 static inline void block_rows(const float* __restrict__ x, int64_t K, const float* __restrict__ wb,
                               float* __restrict__ y, int64_t ldy, int64_t cols) {
   vec acc[ROWS][NV];
@@ -52,33 +101,29 @@ static inline void block_rows(const float* __restrict__ x, int64_t K, const floa
       for (int v = 0; v < NV; ++v) acc[r][v] += xk * w[v];
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    if (cols == BN) {
-      std::memcpy(y + r * ldy, acc[r], sizeof acc[r]);
-    } else {  // the last block of an N that is not a multiple of BN: its padding columns are dropped
-      std::memcpy(y + r * ldy, acc[r], cols * sizeof(float));
-    }
-  }
+  for (int r = 0; r < ROWS; ++r) Out::put(acc[r], y + r * ldy, cols);
 }
 
 // the last rows of a chunk, fewer than R: one pass with `left` rows
-template <int ROWS>
+template <int ROWS, typename Out>
 static inline void rest_rows(int64_t left, const float* x, int64_t K, const float* wb, float* y, int64_t ldy,
                              int64_t cols) {
   if constexpr (ROWS > 0) {
     if (left == ROWS) {
-      block_rows<ROWS>(x, K, wb, y, ldy, cols);
+      block_rows<ROWS, Out>(x, K, wb, y, ldy, cols);
     } else {
-      rest_rows<ROWS - 1>(left, x, K, wb, y, ldy, cols);
+      rest_rows<ROWS - 1, Out>(left, x, K, wb, y, ldy, cols);
     }
   }
 }
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t n) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "batchgen gemv: float32 only");
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == BN && w.is_contiguous(), "batchgen gemv: weight must be [NB, K, ", BN, "]");
+// y [.., n] = x [.., K] times the blocked w [NB, K, BN], each block giving `per` outputs (BN, or BN / 2)
+template <typename Out>
+at::Tensor multiply(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t per, const char* what) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, what, ": float32 only");
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == BN && w.is_contiguous(), what, ": weight must be [NB, K, ", BN, "]");
   const int64_t K = x.size(-1), NB = w.size(0);
-  TORCH_CHECK(K > 0 && w.size(1) == K && n <= NB * BN && n > (NB - 1) * BN, "batchgen gemv: shapes do not match");
+  TORCH_CHECK(K > 0 && w.size(1) == K && n <= NB * per && n > (NB - 1) * per, what, ": shapes do not match");
   const auto x2 = x.contiguous();
   const int64_t M = x2.numel() / K;
   auto sizes = x.sizes().vec();
@@ -95,21 +140,33 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t n) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t mb = t / NB, nb = t % NB;
       const float* wb = wp + nb * K * BN;
-      const int64_t cols = std::min<int64_t>(BN, n - nb * BN);
-      float* yb = yp + nb * BN;
+      const int64_t cols = std::min<int64_t>(per, n - nb * per);
+      float* yb = yp + nb * per;
       int64_t m = mb * MC;
       const int64_t m_end = std::min(M, m + MC);
-      for (; m + R <= m_end; m += R) block_rows<R>(xp + m * K, K, wb, yb + m * n, n, cols);
-      rest_rows<R - 1>(m_end - m, xp + m * K, K, wb, yb + m * n, n, cols);
+      for (; m + R <= m_end; m += R) block_rows<R, Out>(xp + m * K, K, wb, yb + m * n, n, cols);
+      rest_rows<R - 1, Out>(m_end - m, xp + m * K, K, wb, yb + m * n, n, cols);
     }
   });
   return y;
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t n) {
+  return multiply<Plain>(x, w, n, BN, "batchgen gemv");
+}
+
+at::Tensor gemv_swiglu(const at::Tensor& x, const at::Tensor& w, int64_t n) {
+  return multiply<SwiGLU>(x, w, n, SwiGLU::H, "batchgen gemv_swiglu");
 }
 
 int64_t block_width() { return BN; }
 
 TORCH_LIBRARY(batchgen_gemv, m) {
   m.def("gemv(Tensor x, Tensor w, int n) -> Tensor");
+  m.def("gemv_swiglu(Tensor x, Tensor w, int n) -> Tensor");
   m.def("block_width() -> int", &block_width);  // no tensor to dispatch on: one kernel for every backend
 }
-TORCH_LIBRARY_IMPL(batchgen_gemv, CPU, m) { m.impl("gemv", &gemv); }
+TORCH_LIBRARY_IMPL(batchgen_gemv, CPU, m) {
+  m.impl("gemv", &gemv);
+  m.impl("gemv_swiglu", &gemv_swiglu);
+}

@@ -84,8 +84,8 @@ class Linear:
     """y = x W^T (+ b) for x [..., K] and W [N, K]. `gemv_width`: hold a float32 W in the gemv
     kernel's column blocks of that width (batchgen.model.gemv) instead of oneDNN's packing."""
 
-    __slots__ = ("weight", "packed", "blocked", "tiled", "amx", "bias", "out_features", "in_features", "nbytes",
-                 "dtype")
+    __slots__ = ("weight", "packed", "blocked", "gated", "tiled", "amx", "bias", "out_features", "in_features",
+                 "nbytes", "dtype")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
                  gemv_width: int | None = None, bf16_tiles: bool = False):
@@ -95,7 +95,7 @@ class Linear:
         self.nbytes = weight.numel() * weight.element_size()
         self.dtype = weight.dtype
         self.bias = bias
-        self.packed = self.blocked = self.tiled = None
+        self.packed = self.blocked = self.gated = self.tiled = None
         self.amx = False
         self.weight = weight  # kept only where it is the kernel's input
         if pack and gemv_width and weight.dtype == torch.float32 and weight.device.type == "cpu":
@@ -113,8 +113,26 @@ class Linear:
             except RuntimeError:  # an oneDNN build without this path: the plain layout works everywhere
                 self.packed = None
 
+    def fuse_swiglu(self) -> bool:
+        """Hold a gemv-blocked [gate; up] weight as gemv_swiglu's blocks (batchgen.model.gemv.block_swiglu)
+        so that `swiglu(x)` returns silu(gate) * up from one kernel call. False where this weight is
+        not on the gemv kernel (or has a bias): the caller keeps the matmul and the activation apart."""
+        if self.blocked is None or self.bias is not None or self.out_features % 2:
+            return False
+        from batchgen.model import gemv
+
+        width = self.blocked.shape[2]
+        self.gated, self.blocked = gemv.block_swiglu(gemv.unblock(self.blocked, self.out_features), width), None
+        return True
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x Wg^T) * (x Wu^T) [.., out_features / 2], once fuse_swiglu has taken this weight."""
+        return torch.ops.batchgen_gemv.gemv_swiglu(x, self.gated, self.out_features // 2)
+
     @property
     def layout(self) -> str:
+        if self.gated is not None:
+            return f"gemv-blocked [N/{self.gated.shape[2]}, K, {self.gated.shape[2]}], SwiGLU in the kernel"
         if self.blocked is not None:
             return f"gemv-blocked [N/{self.blocked.shape[2]}, K, {self.blocked.shape[2]}]"
         if self.tiled is not None:
@@ -122,6 +140,11 @@ class Linear:
         return "onednn-packed" if self.packed is not None else "plain [N, K]"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated is not None:  # the plain product from fuse_swiglu's blocks: [gate h | up h] a block
+            nb, _, width = self.gated.shape
+            y = torch.ops.batchgen_gemv.gemv(x, self.gated, nb * width).unflatten(-1, (nb, 2, width // 2))
+            i = self.out_features // 2
+            return torch.cat([y[..., 0, :].flatten(-2)[..., :i], y[..., 1, :].flatten(-2)[..., :i]], dim=-1)
         if self.blocked is not None:
             y = torch.ops.batchgen_gemv.gemv(x, self.blocked, self.out_features)
             return y if self.bias is None else y + self.bias

@@ -121,18 +121,24 @@ class LlamaModel:
         layout = head if layers == head else f"layers: {layers}; head: {head}"
         return layout + (f" ({self.layout_note})" if self.layout_note else "")
 
-    def use_kernels(self, norm=None, rope=None, silu=None) -> None:
+    def use_kernels(self, norm=None, rope=None, silu=None, fuse_swiglu: bool = False) -> None:
         """Run RMSNorm with `norm`, RoPE with `rope` and SwiGLU's activation with `silu` where given
         (same signatures as rms_norm, apply_rope and silu_mul; `silu` only where the model's activation
         is SiLU), e.g. batchgen's kernels (batchgen.model.rmsnorm, .rope, .activation), which a compile
         leaves alone: opaque ops to Inductor. The rope kernel takes the step's shapes only, so the
-        no-cache path (`prefill`) keeps apply_rope."""
+        no-cache path (`prefill`) keeps apply_rope. `fuse_swiglu`: where `silu` is batchgen's kernel,
+        the gate/up matmuls on the gemv kernel apply it themselves (Linear.fuse_swiglu: the same bits,
+        without the [T, 2I] product in memory)."""
         if norm is not None:
             self.base_norm = self.norm_fn = norm
         if rope is not None:
             self.base_rope = self.rope_fn = rope
         if silu is not None and self.config.hidden_act == "silu":
             self.base_act = self.act_mul = silu
+            if fuse_swiglu:
+                for layer in self.layers:
+                    if hasattr(layer.gate_up, "fuse_swiglu"):
+                        layer.gate_up.fuse_swiglu()
 
     def compile(self, mode: str | None = None) -> None:
         """torch.compile (Inductor) the elementwise pieces around the matmuls: RMSNorm (6 ops), RoPE
@@ -193,7 +199,8 @@ class LlamaModel:
 
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         x = self.norm_fn(h, layer.post_norm, self.config.rms_norm_eps)
-        out = layer.down(self.act_mul(layer.gate_up(x)))
+        gu = layer.gate_up
+        out = layer.down(gu.swiglu(x) if getattr(gu, "gated", None) is not None else self.act_mul(gu(x)))
         if layer.mlp_out_norm is not None:
             out = self.norm_fn(out, layer.mlp_out_norm, self.config.rms_norm_eps)
         return h + out
