@@ -64,7 +64,7 @@ inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_f(c10::Half x) { return static_cast<float>(x); }
 
 constexpr int64_t PAD_POS = int64_t(1) << 40;  // attention_metadata.FAR: a padding query row
-constexpr int64_t MAX_BS = 256;
+constexpr int64_t MAX_BS = 256;  // block sizes the vector path holds scores for (larger: config allows 1024)
 
 // Where a group's query tiles are in the step: tile n's token t is token tok[n * Qt + t] of q and out,
 // both [T, Hkv, G, D]. A padding row (q_pos PAD_POS) is read from the token its index names (any) and,
@@ -73,7 +73,7 @@ struct Tiles {
   int64_t N, Qt;
   const int64_t* tok;
   bool write_pad;
-};  // block sizes the vector path holds scores for (larger: config allows 1024)
+};
 
 // [x0 + x1, x2 + x3, ..., y0 + y1, y2 + y3, ...]: neighbouring lanes of x, then of y, added
 inline vec pairsum(vec x, vec y) {

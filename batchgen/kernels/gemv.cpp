@@ -61,7 +61,7 @@ struct Plain {
 };
 struct SwiGLU {
   static constexpr int H = BN / 2;
-  static vec act(vec g, vec u) { return g / (batchgen_vec::splat(1.f) + batchgen_vec::vexp(-g)) * u; }  // silumul.cpp's float32
+  static vec act(vec g, vec u) { return batchgen_vec::silu(g) * u; }  // silumul.cpp's float32
   static void put(const vec* acc, float* y, int64_t cols) {
     if constexpr (H % VL == 0) {  // AVX2 (NV = 2): the gate's vectors, then the up's
       if (cols == H) {

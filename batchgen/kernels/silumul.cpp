@@ -26,7 +26,7 @@
 
 namespace {
 
-using namespace batchgen_vec;  // VL, vec, splat, vexp (vec.h)
+using namespace batchgen_vec;  // VL, vec, splat, vexp, silu (vec.h)
 
 // VL elements: gate g, up u (float32) -> y (the dtype), rounding as ATen's silu then mul do
 template <typename T>
@@ -36,7 +36,7 @@ inline void gate(const T* g, const T* u, T* y) {
   vec gv, uv;
   std::memcpy(&gv, gf, sizeof gv);
   std::memcpy(&uv, uf, sizeof uv);
-  const vec s = gv / (splat(1.f) + vexp(-gv));
+  const vec s = silu(gv);
   std::memcpy(sf, &s, sizeof s);
   for (int i = 0; i < VL; ++i) y[i] = static_cast<T>(static_cast<float>(static_cast<T>(sf[i])) * uf[i]);
 }

@@ -1,6 +1,6 @@
-// Float vectors of the machine's width and e^x on them, shared by batchgen's C++ kernels (included by
-// attention.cpp, silumul.cpp and sample.cpp, which keeps its own e^x; batchgen.kernels hashes this
-// file into each includer's build key). Built with -march=native: VL is this machine's width.
+// Float vectors of the machine's width, e^x and SiLU on them, shared by batchgen's C++ kernels (included
+// by attention.cpp, silumul.cpp, gemv.cpp and sample.cpp, which keeps its own e^x; batchgen.kernels
+// hashes this file into each includer's build key). Built with -march=native: VL is this machine's width.
 #pragma once
 
 #include <cstdint>
@@ -44,5 +44,9 @@ __attribute__((always_inline)) inline vec vexp(vec x) {
   std::memcpy(&scale, &bits, sizeof scale);
   return x <= lo ? splat(0.f) : p * scale;
 }
+
+// SiLU, g / (1 + e^-g), float32: the one formula of silumul.cpp and of gemv.cpp's SwiGLU tiles, so the
+// fused matmul has the activation kernel's bits
+inline vec silu(vec g) { return g / (splat(1.f) + vexp(-g)); }
 
 }  // namespace batchgen_vec
