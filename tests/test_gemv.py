@@ -68,6 +68,30 @@ def test_swiglu_in_the_kernel_has_the_bits_of_the_matmul_then_the_activation(i, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("n,k", [(576, 1536), (576, 576), (7, 33), (100, 1000)])  # SmolLM2's down, o; ragged
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_the_residual_add_in_the_kernel_has_the_bits_of_the_matmul_then_the_add(n, k, rows):
+    """gemv_add (h + x W^T, the add as each output tile leaves the registers) against gemv then h + y:
+    the same bits, whatever the rows; weights off the gemv kernel add after the matmul."""
+    g = torch.Generator().manual_seed(n + k + rows)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    x, h = torch.randn(rows, k, generator=g) * 3, torch.randn(rows, n, generator=g) * 10
+    lin = Linear(w.clone(), gemv_width=WIDTH)
+    want = h + lin(x)
+    got = lin.add_to(x, h)
+    assert torch.equal(got, want) and torch.equal(gemv.add(x, lin.blocked, n, h), want)
+    assert torch.equal(lin.add_to(x[-1:], h[-1:]), want[-1:])  # a row alone: its bits as in the batch
+    # a strided residual and input (made contiguous), and leading dimensions
+    h3, x3 = torch.randn(2, rows, 2 * n, generator=g)[..., ::2], torch.randn(2, rows, k, generator=g)
+    assert torch.equal(lin.add_to(x3, h3), h3 + lin(x3))
+    with pytest.raises(RuntimeError, match="the residual must be float32 of the output's shape"):
+        gemv.add(x, lin.blocked, n, h[:, :-1])
+    b = torch.randn(n, generator=g)  # a bias, or oneDNN's layout: the add after the matmul
+    for other in (Linear(w.clone(), b, gemv_width=WIDTH), Linear(w.clone(), gemv_width=None)):
+        assert torch.equal(other.add_to(x, h), h + other(x))
+
+
+@needs_kernel
 def test_gemv_runs_inside_a_compiled_function():
     """A compiled decode step calls the kernel as an opaque op (its fake gives Inductor the shape)."""
     w = torch.randn(100, 64)
@@ -79,6 +103,8 @@ def test_gemv_runs_inside_a_compiled_function():
     x = torch.randn(3, 64)
     compiled = torch.compile(f, fullgraph=True, dynamic=False)
     _close(compiled(x), torch.relu((x * 2) @ w.t()) + 1)
+    sq = Linear(torch.randn(64, 64), gemv_width=WIDTH)  # the residual add in the epilogue, traced too
+    assert torch.equal(torch.compile(lambda x: sq.add_to(x * 2, x) - 1, fullgraph=True)(x), sq.add_to(x * 2, x) - 1)
 
 
 @needs_kernel

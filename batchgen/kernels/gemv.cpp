@@ -15,6 +15,10 @@
 // back by the activation. Each gate and up sum is the same chain of operations as gemv's, and the
 // activation the same as silumul.cpp's float32 one (vec.h's e^x), so the result has the bits of the two
 // ops one after the other.
+//
+// gemv_add: h + x W^T, the residual stream added as each output tile leaves the registers (a layer's
+// o_proj and down_proj): the bits of gemv then the add, without the product in memory and the add's
+// second pass over it (a 4,096-token prefill step: 60 adds of [4,096, 576]).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -48,10 +52,10 @@ typedef float vec __attribute__((vector_size(VL * sizeof(float))));  // GCC/Clan
 static inline vec load(const float* p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
 
 // The output of one column block: its first `cols` (<= BN) columns as they are (gemv; the last block of
-// an N that is not a multiple of BN drops its padding), or silu(gate) * up over its two halves (swiglu;
-// `cols` <= BN / 2 outputs)
+// an N that is not a multiple of BN drops its padding), silu(gate) * up over its two halves (swiglu;
+// `cols` <= BN / 2 outputs), or added to the residual h's same columns (add). h is read by Residual only.
 struct Plain {
-  static void put(const vec* acc, float* y, int64_t cols) {
+  static void put(const vec* acc, float* y, const float*, int64_t cols) {
     if (cols == BN) {
       std::memcpy(y, acc, BN * sizeof(float));  // a constant size: vector stores, not a call
     } else {
@@ -62,7 +66,7 @@ struct Plain {
 struct SwiGLU {
   static constexpr int H = BN / 2;
   static vec act(vec g, vec u) { return batchgen_vec::silu(g) * u; }  // silumul.cpp's float32
-  static void put(const vec* acc, float* y, int64_t cols) {
+  static void put(const vec* acc, float* y, const float*, int64_t cols) {
     if constexpr (H % VL == 0) {  // AVX2 (NV = 2): the gate's vectors, then the up's
       if (cols == H) {
         for (int v = 0; v < NV / 2; ++v) {
@@ -86,10 +90,25 @@ struct SwiGLU {
   }
 };
 
-// rows [0, ROWS) of x times one column block wb [K, BN], put to y by Out
+struct Residual {
+  static void put(const vec* acc, float* y, const float* h, int64_t cols) {
+    if (cols == BN) {
+      for (int v = 0; v < NV; ++v) {
+        const vec a = load(h + v * VL) + acc[v];
+        std::memcpy(y + v * VL, &a, sizeof a);
+      }
+      return;
+    }
+    alignas(64) float t[BN];
+    std::memcpy(t, acc, BN * sizeof(float));
+    for (int64_t j = 0; j < cols; ++j) y[j] = h[j] + t[j];
+  }
+};
+
+// rows [0, ROWS) of x times one column block wb [K, BN], put to y by Out (h: the residual's rows, beside y's)
 template <int ROWS, typename Out>
 static inline void block_rows(const float* __restrict__ x, int64_t K, const float* __restrict__ wb,
-                              float* __restrict__ y, int64_t ldy, int64_t cols) {
+                              float* __restrict__ y, const float* __restrict__ h, int64_t ldy, int64_t cols) {
   vec acc[ROWS][NV];
   for (int r = 0; r < ROWS; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = vec{};
@@ -101,25 +120,27 @@ static inline void block_rows(const float* __restrict__ x, int64_t K, const floa
       for (int v = 0; v < NV; ++v) acc[r][v] += xk * w[v];
     }
   }
-  for (int r = 0; r < ROWS; ++r) Out::put(acc[r], y + r * ldy, cols);
+  for (int r = 0; r < ROWS; ++r) Out::put(acc[r], y + r * ldy, h ? h + r * ldy : nullptr, cols);
 }
 
 // the last rows of a chunk, fewer than R: one pass with `left` rows
 template <int ROWS, typename Out>
-static inline void rest_rows(int64_t left, const float* x, int64_t K, const float* wb, float* y, int64_t ldy,
-                             int64_t cols) {
+static inline void rest_rows(int64_t left, const float* x, int64_t K, const float* wb, float* y, const float* h,
+                             int64_t ldy, int64_t cols) {
   if constexpr (ROWS > 0) {
     if (left == ROWS) {
-      block_rows<ROWS, Out>(x, K, wb, y, ldy, cols);
+      block_rows<ROWS, Out>(x, K, wb, y, h, ldy, cols);
     } else {
-      rest_rows<ROWS - 1, Out>(left, x, K, wb, y, ldy, cols);
+      rest_rows<ROWS - 1, Out>(left, x, K, wb, y, h, ldy, cols);
     }
   }
 }
 
-// y [.., n] = x [.., K] times the blocked w [NB, K, BN], each block giving `per` outputs (BN, or BN / 2)
+// y [.., n] = x [.., K] times the blocked w [NB, K, BN], each block giving `per` outputs (BN, or BN / 2);
+// Residual's h [.., n] beside it
 template <typename Out>
-at::Tensor multiply(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t per, const char* what) {
+at::Tensor multiply(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t per, const char* what,
+                    const at::Tensor* residual = nullptr) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, what, ": float32 only");
   TORCH_CHECK(w.dim() == 3 && w.size(2) == BN && w.is_contiguous(), what, ": weight must be [NB, K, ", BN, "]");
   const int64_t K = x.size(-1), NB = w.size(0);
@@ -129,6 +150,13 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t
   auto sizes = x.sizes().vec();
   sizes.back() = n;
   auto y = at::empty(sizes, x.options());
+  at::Tensor h2;
+  if (residual) {
+    TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->sizes() == y.sizes(), what,
+                ": the residual must be float32 of the output's shape ", y.sizes(), ", got ", residual->sizes());
+    h2 = residual->contiguous();
+  }
+  const float* hp = residual ? h2.data_ptr<float>() : nullptr;
   const float* xp = x2.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -142,10 +170,11 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t
       const float* wb = wp + nb * K * BN;
       const int64_t cols = std::min<int64_t>(per, n - nb * per);
       float* yb = yp + nb * per;
+      const float* hb = hp ? hp + nb * per : nullptr;
       int64_t m = mb * MC;
       const int64_t m_end = std::min(M, m + MC);
-      for (; m + R <= m_end; m += R) block_rows<R, Out>(xp + m * K, K, wb, yb + m * n, n, cols);
-      rest_rows<R - 1, Out>(m_end - m, xp + m * K, K, wb, yb + m * n, n, cols);
+      for (; m + R <= m_end; m += R) block_rows<R, Out>(xp + m * K, K, wb, yb + m * n, hb ? hb + m * n : nullptr, n, cols);
+      rest_rows<R - 1, Out>(m_end - m, xp + m * K, K, wb, yb + m * n, hb ? hb + m * n : nullptr, n, cols);
     }
   });
   return y;
@@ -159,14 +188,20 @@ at::Tensor gemv_swiglu(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   return multiply<SwiGLU>(x, w, n, SwiGLU::H, "batchgen gemv_swiglu");
 }
 
+at::Tensor gemv_add(const at::Tensor& x, const at::Tensor& w, int64_t n, const at::Tensor& h) {
+  return multiply<Residual>(x, w, n, BN, "batchgen gemv_add", &h);
+}
+
 int64_t block_width() { return BN; }
 
 TORCH_LIBRARY(batchgen_gemv, m) {
   m.def("gemv(Tensor x, Tensor w, int n) -> Tensor");
   m.def("gemv_swiglu(Tensor x, Tensor w, int n) -> Tensor");
+  m.def("gemv_add(Tensor x, Tensor w, int n, Tensor h) -> Tensor");
   m.def("block_width() -> int", &block_width);  // no tensor to dispatch on: one kernel for every backend
 }
 TORCH_LIBRARY_IMPL(batchgen_gemv, CPU, m) {
   m.impl("gemv", &gemv);
   m.impl("gemv_swiglu", &gemv_swiglu);
+  m.impl("gemv_add", &gemv_add);
 }

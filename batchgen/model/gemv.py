@@ -16,6 +16,7 @@ def load() -> int | str:
     if why is not None:
         return why
     kernels.load_op("gemv", "batchgen_gemv::gemv_swiglu", lambda x, w, n: x.new_empty((*x.shape[:-1], n)))
+    kernels.load_op("gemv", "batchgen_gemv::gemv_add", lambda x, w, n, h: torch.empty_like(h))
     return int(torch.ops.batchgen_gemv.block_width())
 
 
@@ -54,3 +55,8 @@ def swiglu(x: torch.Tensor, blocked: torch.Tensor, n: int) -> torch.Tensor:
     """silu(x Wg^T) * (x Wu^T) [.., n] from `block_swiglu`'s weight: the bits of gemv then the silumul
     kernel, without the [.., 2n] product in memory."""
     return torch.ops.batchgen_gemv.gemv_swiglu(x, blocked, n)
+
+
+def add(x: torch.Tensor, blocked: torch.Tensor, n: int, h: torch.Tensor) -> torch.Tensor:
+    """h + x W^T [.., n]: the bits of gemv then the add, the residual added in the kernel's epilogue."""
+    return torch.ops.batchgen_gemv.gemv_add(x, blocked, n, h)

@@ -137,6 +137,10 @@ class BlockLinear:
             y = torch.ops.batchgen_qgemv.q8_0(x, self.qs, self.d, self.out_features, self.isa)
         return y if self.bias is None else y + self.bias
 
+    def add_to(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h + x W^T (+ b), as batchgen.model.linear.Linear.add_to."""
+        return h + self(x)
+
 
 def _grouped(t: torch.Tensor) -> torch.Tensor:
     """[N, KB, ...] -> [N/G, KB, G, ...]: each group of G rows' blocks side by side (zero rows pad N)."""

@@ -129,6 +129,13 @@ class Linear:
         """silu(x Wg^T) * (x Wu^T) [.., out_features / 2], once fuse_swiglu has taken this weight."""
         return torch.ops.batchgen_gemv.gemv_swiglu(x, self.gated, self.out_features // 2)
 
+    def add_to(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h + x W^T (+ b): a residual stream plus this layer's output. On the gemv kernel the add is
+        the kernel's epilogue (gemv_add: the same bits, one pass less over the output)."""
+        if self.blocked is not None and self.bias is None and h.dtype == torch.float32:
+            return torch.ops.batchgen_gemv.gemv_add(x, self.blocked, self.out_features, h)
+        return h + self(x)
+
     @property
     def layout(self) -> str:
         if self.gated is not None:
@@ -210,3 +217,7 @@ class Int4Linear:
                                                        self.scale_zero)
         y = y.reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def add_to(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h + x W^T (+ b), as Linear.add_to."""
+        return h + self(x)

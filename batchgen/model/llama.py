@@ -192,18 +192,17 @@ class LlamaModel:
 
     def _attn_residual(self, layer: Layer, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """h + the attention output o [..., H D] through o_proj (and Gemma 2's output norm)."""
-        out = layer.o(o)
-        if layer.attn_out_norm is not None:
-            out = self.norm_fn(out, layer.attn_out_norm, self.config.rms_norm_eps)
-        return h + out
+        if layer.attn_out_norm is None:
+            return layer.o.add_to(o, h)  # the add in the matmul's epilogue where its kernel has one
+        return h + self.norm_fn(layer.o(o), layer.attn_out_norm, self.config.rms_norm_eps)
 
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         x = self.norm_fn(h, layer.post_norm, self.config.rms_norm_eps)
         gu = layer.gate_up
-        out = layer.down(gu.swiglu(x) if getattr(gu, "gated", None) is not None else self.act_mul(gu(x)))
-        if layer.mlp_out_norm is not None:
-            out = self.norm_fn(out, layer.mlp_out_norm, self.config.rms_norm_eps)
-        return h + out
+        act = gu.swiglu(x) if getattr(gu, "gated", None) is not None else self.act_mul(gu(x))
+        if layer.mlp_out_norm is None:
+            return layer.down.add_to(act, h)
+        return h + self.norm_fn(layer.down(act), layer.mlp_out_norm, self.config.rms_norm_eps)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.norm_fn(h, self.norm, self.config.rms_norm_eps)).float()
