@@ -97,6 +97,41 @@ def test_q4_1_gives_the_same_bits_on_avx2_as_on_avx512(isas):
         assert torch.equal(lin(x), wide)
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_swiglu_and_the_residual_add_in_the_kernel_have_the_bits_of_the_ops_in_turn(isas, kind):
+    """swiglu: silu(x Wg^T) * (x Wu^T) from one call, each task running a group of gate columns and the
+    same up columns; add: h + x W^T, the add as each tile leaves the kernel. At the instruction set the
+    engine runs (the best here), bit for bit the matmul then the silumul kernel (both built for the same
+    instructions: vec.h's SiLU), or the matmul then h + y; the portable build, which the silumul kernel
+    is not built for, to float32's rounding. Lone rows, panels, a chunk of rows, strided input."""
+    from batchgen.model import activation
+
+    if activation.load() is not None:
+        skip_or_fail(f"silumul kernel unavailable: {activation.load()}")
+    gate_up, down = random_blocks(kind, 2 * 48, 576, seed=11), random_blocks(kind, 100, 1536, seed=12)
+    assert gate_up.fuse_swiglu() and gate_up.gated and not random_blocks(kind, 2 * 44, 64, seed=1).fuse_swiglu()
+    g = torch.Generator().manual_seed(13)
+    for rows in (1, 2, 3, 5, 70):
+        x, a, h = torch.randn(rows, 576, generator=g), torch.randn(rows, 1536, generator=g), torch.randn(rows, 100, generator=g)
+        for isa in isas:
+            gate_up.isa = down.isa = isa
+            fused, apart = gate_up.swiglu(x), torch.ops.batchgen_act.silu_mul(gate_up(x))
+            added = down.add_to(a, h)
+            assert fused.shape == (rows, 48) and torch.equal(added, h + down(a))
+            if isa == isas[0]:
+                assert torch.equal(fused, apart)
+            else:
+                torch.testing.assert_close(fused, apart, rtol=1e-6, atol=1e-6)
+    x3 = torch.randn(2, 3, 2 * 576, generator=g)[..., ::2]
+    gate_up.isa = isas[0]
+    assert torch.equal(gate_up.swiglu(x3), torch.ops.batchgen_act.silu_mul(gate_up(x3)))
+    with pytest.raises(RuntimeError, match="the residual must be float32"):
+        down.add_to(a, h[:, :99])
+    odd = random_blocks("Q4_1", 2 * 44, 576, seed=1)  # halves of 44 rows: not whole groups of 8
+    with pytest.raises(RuntimeError, match="whole groups"):
+        torch.ops.batchgen_qgemv.swiglu(x, odd.qs, odd.d, odd.m, 2 * 44, 0)
+
+
 CAPPED = """
 import json, sys, torch
 from batchgen import kernels
@@ -164,6 +199,12 @@ def test_the_kernel_runs_inside_a_compiled_function(isas):
     x = torch.randn(3, 64)
     got = torch.compile(f, fullgraph=True, dynamic=False)(x)
     close(got, torch.relu(reference(lin, x * 2)) + 1)
+    # and its epilogues (their fakes give the SwiGLU half and the residual's shape)
+    gate_up = random_blocks("Q4_1", 32, 64, seed=4)
+    assert gate_up.fuse_swiglu()
+    h = torch.randn(3, 20)
+    got = torch.compile(lambda x: lin.add_to(gate_up.swiglu(x).repeat(1, 4), h) * 2, fullgraph=True, dynamic=False)(x)
+    assert torch.equal(got, lin.add_to(gate_up.swiglu(x).repeat(1, 4), h) * 2)
 
 
 def test_the_shipped_blocks_are_the_models_weights_exactly(isas, real_model_dir):

@@ -38,6 +38,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#include "vec.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -129,34 +132,87 @@ static Kernel pick(int isa, bool q4) {
   return q4 ? isa_portable::q4_1_cols : isa_portable::q8_0_cols;
 }
 
+// What a call does with its products, as each task's tile leaves the kernel: y = x W^T; y = h + x W^T
+// (a residual stream plus the layer's output: o_proj, down_proj); or SwiGLU, y = silu(g) * u over the
+// two halves of W's rows (gate, then up: a task runs a group of gate columns and the same up columns,
+// so the [M, n] product is never written). Each has the bits of the plain product followed by ATen's
+// add, or by the silumul kernel (vec.h's silu): the same float32 operations on the same values.
+// silu(g) * u for G side-by-side outputs of `rows` rows (g and u: [rows, G]) into y (row stride ldy)
+using Act = void (*)(const float* g, const float* u, int64_t rows, float* y, int64_t ldy);
+
+struct Epilogue {
+  const float* h = nullptr;  // add: the residual [M, n] (contiguous)
+  Act swiglu = nullptr;      // SwiGLU: the chosen build's activation (act_rows)
+};
+
+// One task: rows [r0, r0 + rows) times output group g, through the epilogue. `tile(group, out, ldo)`
+// runs the kernel on a group of W's columns into out (row stride ldo); y is [M, n], or [M, n / 2] for
+// SwiGLU (whose groups count the gate's); tmp holds 2 rows G floats (SwiGLU's gate and up tiles).
+template <class Tile>
+static inline void task(const Tile& tile, int64_t g, int64_t r0, int64_t rows, int64_t n, const Epilogue& e,
+                        float* y, float* tmp) {
+  if (e.swiglu) {
+    const int64_t half = n / 2;
+    tile(g, tmp, G);
+    tile(g + half / G, tmp + rows * G, G);
+    e.swiglu(tmp, tmp + rows * G, rows, y + r0 * half + g * G, half);
+    return;
+  }
+  float* out = y + r0 * n + g * G;
+  tile(g, out, n);
+  if (e.h != nullptr) {
+    const float* h = e.h + r0 * n + g * G;
+    const int64_t cols = std::min(G, n - g * G);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) out[r * n + c] = h[r * n + c] + out[r * n + c];
+  }
+}
+
+static Act pick_act(int isa) {
+#ifdef BATCHGEN_X86
+  if (isa == 512) return isa_avx512::act_rows;
+  if (isa == 2) return isa_avx2::act_rows;
+#endif
+  return isa_portable::act_rows;
+}
+
 // The vector builds' Q4_1 tiles read x laid out for their lanes (lay_out below): laid out once, in
 // parallel; then tasks as in `run`, over chunks of whole panels whose laid-out x (at most LAID floats)
 // stays in cache while a task runs its columns
 using LayOut = void (*)(const float* x, int64_t M, int64_t p0, int64_t p1, int64_t KB, float* xe);
 
-static at::Tensor run_laid(LayOut lay_out_rows, int64_t XB, int64_t R, Kernel kernel, const float* xp, int64_t M,
-                           int64_t KB, int64_t NG, const uint8_t* qp, const uint16_t* dp, const uint16_t* mp, int64_t n,
-                           float* yp, at::Tensor y) {
+static void run_laid(LayOut lay_out_rows, int64_t XB, int64_t R, Kernel kernel, const float* xp, int64_t M, int64_t KB,
+                     int64_t NGo, const uint8_t* qp, const uint16_t* dp, const uint16_t* mp, int64_t n, float* yp,
+                     const Epilogue& e, const at::TensorOptions& opt) {
   constexpr int64_t BB = QK / 2;
-  auto laid = at::empty({M * KB * XB}, y.options());
-  float* xl = laid.data_ptr<float>();
+  constexpr int64_t SMALL = 48 * 33;  // floats: decode's lone row (K <= 1,536) laid out here, not allocated
+  float small[SMALL];
+  at::Tensor laid;
+  float* xl = small;
+  if (M * KB * XB > SMALL) {
+    laid = at::empty({M * KB * XB}, opt);
+    xl = laid.data_ptr<float>();
+  }
   const int64_t panels = M / R + M % R;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { lay_out_rows(xp, M, p0, p1, KB, xl); });
   const int64_t most = std::max<int64_t>(LAID / (KB * XB) / R, 1) * R;
   const int64_t MB = (M + most - 1) / most, mc = ((M + MB - 1) / MB + R - 1) / R * R;  // chunks alike
-  at::parallel_for(0, MB * NG, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, MB * NGo, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> tmp(e.swiglu ? 2 * mc * G : 0);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t mb = t / NG, g = t % NG;
+      const int64_t mb = t / NGo, g = t % NGo;
       const int64_t r0 = mb * mc, rows = std::min(mc, M - r0);
-      kernel(xl + r0 * KB * XB, 0, rows, KB, qp + g * KB * G * BB, dp + g * KB * G, mp + g * KB * G,
-             std::min(G, n - g * G), yp + r0 * n + g * G, n);
+      const float* x = xl + r0 * KB * XB;
+      task([&](int64_t gg, float* out, int64_t ldo) {
+        kernel(x, 0, rows, KB, qp + gg * KB * G * BB, dp + gg * KB * G, mp + gg * KB * G, std::min(G, n - gg * G),
+               out, ldo);
+      }, g, r0, rows, n, e, yp, tmp.data());
     }
   });
-  return y;
 }
 
 static at::Tensor run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m,
-                      int64_t n, int64_t isa) {
+                      int64_t n, int64_t isa, const Epilogue& epi = {}, const c10::optional<at::Tensor>& h = c10::nullopt) {
   const bool q4 = m.has_value();
   const int64_t BB = q4 ? QK / 2 : QK;
   TORCH_CHECK(x.scalar_type() == at::kFloat, "batchgen qgemv: x must be float32");
@@ -171,34 +227,56 @@ static at::Tensor run(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   if (q4)
     TORCH_CHECK(m->scalar_type() == at::kHalf && m->sizes() == at::IntArrayRef({NG, KB, G}) && m->is_contiguous(),
                 "batchgen qgemv: m must be [N/", G, ", K/32, ", G, "] float16");
+  TORCH_CHECK(!epi.swiglu || n % (2 * G) == 0, "batchgen qgemv: SwiGLU needs gate and up halves of whole groups of ",
+              G, " rows, got n = ", n);
   const int chosen = resolve_isa(isa);
   const Kernel kernel = pick(chosen, q4);
   const auto x2 = x.contiguous();
   const int64_t M = x2.numel() / K;
   auto sizes = x.sizes().vec();
-  sizes.back() = n;
+  sizes.back() = epi.swiglu ? n / 2 : n;
+  at::Tensor hc;
+  Epilogue e = epi;
+  if (h.has_value()) {
+    TORCH_CHECK(h->scalar_type() == at::kFloat && h->sizes() == at::IntArrayRef(sizes),
+                "batchgen qgemv: the residual must be float32 ", at::IntArrayRef(sizes), ", got ", h->scalar_type(), " ",
+                h->sizes());
+    hc = h->contiguous();
+    e.h = hc.data_ptr<float>();
+  }
   auto y = at::empty(sizes, x.options());
   if (M == 0) return y;
+  const int64_t NGo = e.swiglu ? n / 2 / G : NG;  // the tasks' output groups
   const float* xp = x2.data_ptr<float>();
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const uint16_t* mp = q4 ? reinterpret_cast<const uint16_t*>(m->data_ptr<at::Half>()) : nullptr;
   float* yp = y.data_ptr<float>();
 #ifdef BATCHGEN_X86
-  if (q4 && chosen == 512) return run_laid(isa_avx512::lay_out_rows, isa_avx512::XB, isa_avx512::PANEL, kernel, xp, M, KB,
-                                           NG, qp, dp, mp, n, yp, y);
-  if (q4 && chosen == 2) return run_laid(isa_avx2::lay_out_rows, isa_avx2::XB, isa_avx2::PANEL, kernel, xp, M, KB, NG,
-                                         qp, dp, mp, n, yp, y);
+  if (q4 && chosen == 512) {
+    run_laid(isa_avx512::lay_out_rows, isa_avx512::XB, isa_avx512::PANEL, kernel, xp, M, KB, NGo, qp, dp, mp, n, yp, e,
+             y.options());
+    return y;
+  }
+  if (q4 && chosen == 2) {
+    run_laid(isa_avx2::lay_out_rows, isa_avx2::XB, isa_avx2::PANEL, kernel, xp, M, KB, NGo, qp, dp, mp, n, yp, e,
+             y.options());
+    return y;
+  }
 #endif
   // tasks are (chunk of MC rows, group of G columns), groups fastest: at decode's few rows the threads
   // split the groups, each streaming its own contiguous part of the weights
   const int64_t MB = (M + MC - 1) / MC;
-  at::parallel_for(0, MB * NG, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, MB * NGo, 1, [&](int64_t t0, int64_t t1) {
+    float tmp[2 * MC * G];
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t mb = t / NG, g = t % NG;
+      const int64_t mb = t / NGo, g = t % NGo;
       const int64_t r0 = mb * MC, rows = std::min(MC, M - r0);
-      kernel(xp + r0 * K, K, rows, KB, qp + g * KB * G * BB, dp + g * KB * G, mp ? mp + g * KB * G : nullptr,
-             std::min(G, n - g * G), yp + r0 * n + g * G, n);
+      const float* xr = xp + r0 * K;
+      task([&](int64_t gg, float* out, int64_t ldo) {
+        kernel(xr, K, rows, KB, qp + gg * KB * G * BB, dp + gg * KB * G, mp ? mp + gg * KB * G : nullptr,
+               std::min(G, n - gg * G), out, ldo);
+      }, g, r0, rows, n, e, yp, tmp);
     }
   });
   return y;
@@ -213,12 +291,29 @@ at::Tensor q8_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, 
   return run(x, qs, d, c10::nullopt, n, isa);
 }
 
+// the product's epilogues, on either format (m given: Q4_1, else Q8_0)
+at::Tensor swiglu(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m,
+                  int64_t n, int64_t isa) {
+  Epilogue e;
+  e.swiglu = pick_act(resolve_isa(isa));
+  return run(x, qs, d, m, n, isa, e);
+}
+
+at::Tensor add(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m,
+               int64_t n, const at::Tensor& h, int64_t isa) {
+  return run(x, qs, d, m, n, isa, {}, h);
+}
+
 int64_t isa() { return best_isa(); }
 int64_t group() { return G; }
 
 TORCH_LIBRARY(batchgen_qgemv, lib) {
   lib.def("q4_1(Tensor x, Tensor qs, Tensor d, Tensor m, int n, int isa=0) -> Tensor");
   lib.def("q8_0(Tensor x, Tensor qs, Tensor d, int n, int isa=0) -> Tensor");
+  // silu(x Wg^T) * (x Wu^T) [.., n / 2], W's rows the gate's n / 2 then the up's; m given: Q4_1, else Q8_0
+  lib.def("swiglu(Tensor x, Tensor qs, Tensor d, Tensor? m, int n, int isa=0) -> Tensor");
+  // h + x W^T
+  lib.def("add(Tensor x, Tensor qs, Tensor d, Tensor? m, int n, Tensor h, int isa=0) -> Tensor");
   // no tensor to dispatch on: one kernel for every backend
   lib.def("isa() -> int", &isa);
   lib.def("group() -> int", &group);
@@ -226,6 +321,8 @@ TORCH_LIBRARY(batchgen_qgemv, lib) {
 TORCH_LIBRARY_IMPL(batchgen_qgemv, CPU, lib) {
   lib.impl("q4_1", &q4_1);
   lib.impl("q8_0", &q8_0);
+  lib.impl("swiglu", &swiglu);
+  lib.impl("add", &add);
 }
 
 #else  // ---- the vector code, compiled once per instruction set (QVL floats a vector, QR rows a pass) ----
@@ -613,6 +710,21 @@ void q4_1_cols(const float* x, int64_t ldx, int64_t M, int64_t KB, const uint8_t
 void q8_0_cols(const float* x, int64_t ldx, int64_t M, int64_t KB, const uint8_t* qs, const uint16_t* d,
                const uint16_t* m, int64_t ncols, float* y, int64_t ldy) {
   cols<false>(x, ldx, M, KB, qs, d, m, ncols, y, ldy);
+}
+
+// SwiGLU's activation on a task's G gate and G up outputs a row, in this build's vectors: vec.h's silu,
+// lane by lane, so the bits of silumul.cpp's float32 path built for the same instructions
+void act_rows(const float* g, const float* u, int64_t rows, float* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < G; c += QVL) {  // zero-padded where a vector is wider than a group
+      const int64_t w = std::min<int64_t>(QVL, G - c);
+      float gp[QVL] = {}, up[QVL] = {}, yp[QVL];
+      std::memcpy(gp, g + r * G + c, w * sizeof(float));
+      std::memcpy(up, u + r * G + c, w * sizeof(float));
+      const fvec s = batchgen_vec::silu_of<fvec, ivec>(loadf(gp)) * loadf(up);
+      std::memcpy(yp, &s, sizeof s);
+      std::memcpy(y + r * ldy + c, yp, w * sizeof(float));
+    }
 }
 
 #endif

@@ -25,28 +25,37 @@ inline vec splat(float x) { return vec{} + x; }
 // e^x on a vector, float32: x = n ln2 + r (|r| <= ln2 / 2), e^r by its degree-6 Taylor polynomial
 // (relative error ~2e-7, float32's own rounding), times 2^n set in the exponent bits. x below -87
 // gives 0 (its true value is under float32's normal range), so a softmax weight never overflows.
-__attribute__((always_inline)) inline vec vexp(vec x) {
-  const vec lo = splat(-87.f), hi = splat(88.f);
+// Written for any float vector V (and its int32 vector I): every operation is lane by lane, so a
+// value's bits do not depend on the width; qgemv.cpp, built once per instruction set, runs it on its
+// own vectors (where the caller's instructions have FMA, the compiler fuses p * r + c alike).
+template <typename V, typename I>
+__attribute__((always_inline)) inline V vexp_of(V x) {
+  const V lo = V{} - 87.f, hi = V{} + 88.f;
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
-  vec n = x * 1.44269504088896341f;
-  n = __builtin_convertvector(__builtin_convertvector(n + (n >= 0 ? splat(0.5f) : splat(-0.5f)), ivec), vec);
-  vec r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  vec p = splat(1.f / 720);
+  V n = x * 1.44269504088896341f;
+  n = __builtin_convertvector(__builtin_convertvector(n + (n >= 0 ? V{} + 0.5f : V{} - 0.5f), I), V);
+  V r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  V p = V{} + 1.f / 720;
   p = p * r + 1.f / 120;
   p = p * r + 1.f / 24;
   p = p * r + 1.f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
-  vec scale;
+  I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return x <= lo ? splat(0.f) : p * scale;
+  return x <= lo ? V{} : p * scale;
 }
 
-// SiLU, g / (1 + e^-g), float32: the one formula of silumul.cpp and of gemv.cpp's SwiGLU tiles, so the
-// fused matmul has the activation kernel's bits
-inline vec silu(vec g) { return g / (splat(1.f) + vexp(-g)); }
+__attribute__((always_inline)) inline vec vexp(vec x) { return vexp_of<vec, ivec>(x); }
+
+// SiLU, g / (1 + e^-g), float32: the one formula of silumul.cpp, of gemv.cpp's SwiGLU tiles and of
+// qgemv.cpp's, so a fused matmul has the activation kernel's bits
+template <typename V, typename I>
+__attribute__((always_inline)) inline V silu_of(V g) { return g / (V{} + 1.f + vexp_of<V, I>(-g)); }
+
+inline vec silu(vec g) { return silu_of<vec, ivec>(g); }
 
 }  // namespace batchgen_vec

@@ -45,6 +45,9 @@ def load() -> int | str:
             lambda x, qs, d, m, n, isa=0: x.new_empty((*x.shape[:-1], n)))
         torch.library.register_fake("batchgen_qgemv::q8_0")(
             lambda x, qs, d, n, isa=0: x.new_empty((*x.shape[:-1], n)))
+        torch.library.register_fake("batchgen_qgemv::swiglu")(
+            lambda x, qs, d, m, n, isa=0: x.new_empty((*x.shape[:-1], n // 2)))
+        torch.library.register_fake("batchgen_qgemv::add")(lambda x, qs, d, m, n, h, isa=0: torch.empty_like(h))
     return int(torch.ops.batchgen_qgemv.isa())
 
 
@@ -75,7 +78,7 @@ class BlockLinear:
     qs [N/G, K/32, G, 16 (Q4_1) or 32 (Q8_0)], d and (Q4_1) m [N/G, K/32, G] fp16 (N padded to G with
     zero columns, never written out)."""
 
-    __slots__ = ("kind", "qs", "d", "m", "bias", "out_features", "in_features", "nbytes", "dtype", "isa")
+    __slots__ = ("kind", "qs", "d", "m", "bias", "out_features", "in_features", "nbytes", "dtype", "isa", "gated")
 
     def __init__(self, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                  bias: torch.Tensor | None = None, isa: int = 0):
@@ -83,6 +86,7 @@ class BlockLinear:
         if kind not in BLOCK_BYTES:
             raise GGUFError(f"block format {kind!r}: one of {', '.join(BLOCK_BYTES)}")
         self.kind, self.bias, self.isa = kind, bias, isa
+        self.gated = None  # True once fuse_swiglu has taken this [gate; up] weight
         self.out_features, self.in_features = qs.shape[0], qs.shape[1] * QK
         self.qs, self.d = _grouped(qs), _grouped(d)
         self.m = None if m is None else _grouped(m)
@@ -118,7 +122,7 @@ class BlockLinear:
 
     @property
     def layout(self) -> str:
-        return f"{self.kind} blocks (batchgen qgemv)"
+        return f"{self.kind} blocks (batchgen qgemv{', SwiGLU in the kernel' if self.gated else ''})"
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32: the weights the blocks stand for (as GGUF's reference dequantizes them)."""
@@ -137,8 +141,25 @@ class BlockLinear:
             y = torch.ops.batchgen_qgemv.q8_0(x, self.qs, self.d, self.out_features, self.isa)
         return y if self.bias is None else y + self.bias
 
+    def fuse_swiglu(self) -> bool:
+        """Let `swiglu(x)` apply SwiGLU's activation in the kernel (as batchgen.model.linear.Linear's):
+        this [gate; up] weight's blocks stay as they are, a kernel task runs a group of gate columns
+        and the same up columns. False where the halves are not whole groups or there is a bias."""
+        if self.bias is not None or self.out_features % (2 * GROUP):
+            return False
+        self.gated = True
+        return True
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x Wg^T) * (x Wu^T) [.., out_features / 2]: the bits of this matmul then the silumul kernel
+        (vec.h's SiLU, built for the instructions the kernel runs), without the [.., 2I] product."""
+        return torch.ops.batchgen_qgemv.swiglu(x, self.qs, self.d, self.m, self.out_features, self.isa)
+
     def add_to(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """h + x W^T (+ b), as batchgen.model.linear.Linear.add_to."""
+        """h + x W^T (+ b), as batchgen.model.linear.Linear.add_to: the add as each tile leaves the
+        kernel (the bits of h + self(x))."""
+        if self.bias is None and h.dtype == torch.float32:
+            return torch.ops.batchgen_qgemv.add(x, self.qs, self.d, self.m, self.out_features, h, self.isa)
         return h + self(x)
 
 
