@@ -132,14 +132,14 @@ static Kernel pick(int isa, bool q4) {
   return q4 ? isa_portable::q4_1_cols : isa_portable::q8_0_cols;
 }
 
+// silu(g) * u for G side-by-side outputs of `rows` rows (g and u: [rows, G]) into y (row stride ldy)
+using Act = void (*)(const float* g, const float* u, int64_t rows, float* y, int64_t ldy);
+
 // What a call does with its products, as each task's tile leaves the kernel: y = x W^T; y = h + x W^T
 // (a residual stream plus the layer's output: o_proj, down_proj); or SwiGLU, y = silu(g) * u over the
 // two halves of W's rows (gate, then up: a task runs a group of gate columns and the same up columns,
 // so the [M, n] product is never written). Each has the bits of the plain product followed by ATen's
 // add, or by the silumul kernel (vec.h's silu): the same float32 operations on the same values.
-// silu(g) * u for G side-by-side outputs of `rows` rows (g and u: [rows, G]) into y (row stride ldy)
-using Act = void (*)(const float* g, const float* u, int64_t rows, float* y, int64_t ldy);
-
 struct Epilogue {
   const float* h = nullptr;  // add: the residual [M, n] (contiguous)
   Act swiglu = nullptr;      // SwiGLU: the chosen build's activation (act_rows)
