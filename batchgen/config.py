@@ -325,6 +325,7 @@ class EngineConfig:
              "bucket compiles once its eager steps have cost what a compile costs on this machine (long jobs "
              "compile, short ones do not)")
     pack_weights: bool = True  # weights in the kernel's fastest layout (False: the checkpoint's, for A/B)
+    huge_pages: bool = True  # CPU weights and KV pool on transparent huge pages (False: torch's allocator, for A/B)
     quantization: str = setting(
         "none", choices=QUANTIZATIONS, title="Weight quantization (native engine)",
         help="int4: the layers' weights as 4-bit codes with a scale and zero per 32 (PyTorch's int4 CPU kernel, "

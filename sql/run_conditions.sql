@@ -36,6 +36,7 @@ final as (
         json_extract_string(d.doc, '$.conditions.engine.sampler') as sampler,
         json_extract_string(d.doc, '$.conditions.engine.cuda_graphs') as cuda_graphs,
         json_extract_string(d.doc, '$.conditions.engine.batch_invariant') as batch_invariant,
+        json_extract_string(d.doc, '$.conditions.engine.huge_pages') as huge_pages,
         json_extract_string(d.doc, '$.conditions.engine.admission') as admission,
         coalesce(json_extract_string(d.doc, '$.identity.shard_by'), 'order') as shard_by,
         l.prompt_tokens_p50,

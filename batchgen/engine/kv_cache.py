@@ -11,18 +11,25 @@ import os
 
 import torch
 
+from batchgen.model import hugepages
+
 
 class PagedKVCache:
     # layout per layer: [num_blocks, Hkv, block_size, D] ("HND"), so one block of one head is a
     # contiguous [block_size, D] matrix for the attention's batched matmuls; kernels that want
     # [num_blocks, block_size, Hkv, D] ("NHD", FlashInfer) get that layout instead
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device, layout: str = "HND"):
+                 dtype: torch.dtype, device: str | torch.device, layout: str = "HND", huge_pages: bool = False):
+        """`huge_pages` (CPU): the pool in one mapping on transparent huge pages (batchgen.model.hugepages),
+        where a step's reads of it cost a TLB entry a 2 MiB instead of one a 4 KiB."""
         shape = ((num_blocks, num_kv_heads, block_size, head_dim) if layout == "HND"
                  else (num_blocks, block_size, num_kv_heads, head_dim))
         # zeros, not empty: a masked position still multiplies (by probability 0), so it must be finite
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if huge_pages and torch.device(device).type == "cpu":
+            pool = hugepages.arena([(shape, dtype)] * (2 * num_layers))
+        else:
+            pool = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * num_layers)]
+        self.k, self.v = pool[:num_layers], pool[num_layers:]
         self.layout = layout
         self.num_blocks = num_blocks
         self.block_size = block_size

@@ -25,7 +25,7 @@ from batchgen.engine.precision import (INVARIANT_BATCH, decode_matrices, resolve
 from batchgen.engine.request import Request
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import Chunk
-from batchgen.model import activation, bgemm, ggml, rmsnorm, rope
+from batchgen.model import activation, bgemm, ggml, hugepages, rmsnorm, rope
 from batchgen.model.linear import INT4_GROUP, can_int4, fp32_kernel
 from batchgen.model.llama import LlamaModel
 from batchgen.model.loader import DTYPES, load_model, read_model_config
@@ -51,6 +51,8 @@ class ModelRunner:
             self.model, self.dtype, self.dtype_choice = model, str(model.dtype).removeprefix("torch."), "the model's"
         else:
             self.model, self.dtype, self.dtype_choice, self.quantization = self._load(model_dir, config, c)
+        if config.device == "cpu" and config.huge_pages:  # in their final layouts, before any compile sees them
+            hugepages.place_attributes(self.model.weight_holders())
         bpe = DTYPE_BYTES[self.dtype]
         self.kv_bytes_per_token = c.kv_bytes_per_token(bpe)
         self.row_embed_bytes = c.hidden_size * bpe
@@ -64,7 +66,8 @@ class ModelRunner:
         graphs_mode = self._graphs_mode(config, self.attention)
         # with decode buckets, one more block than the allocator hands out: the padding rows' scratch block
         self.kv = (PagedKVCache(c.num_layers, self.num_blocks + (graphs_mode is not None), bs, c.num_kv_heads,
-                                c.head_dim, DTYPES[self.dtype], config.device, self.attention.kv_layout)
+                                c.head_dim, DTYPES[self.dtype], config.device, self.attention.kv_layout,
+                                huge_pages=config.huge_pages)
                    if self.attention else None)
         self.sampler = Sampler(c.vocab_size, config.device, config.sampler)
         self.constraints = constraints
@@ -188,7 +191,21 @@ class ModelRunner:
             "compile_s": g.compile_s if g is not None and g.mode == "compile" else self.compile_s,
             "cuda_graphs": "off" if g is None else g.describe(),
             "batch_invariant": self.batch_invariance(),
+            "huge_pages": self.huge_pages(),
         }
+
+    def huge_pages(self) -> str:
+        """How much of the weights and the KV pool sits on transparent huge pages (2 MiB), as the OS reports."""
+        if self.device != "cpu":
+            return f"n/a on {self.device}"
+        if not self.config.huge_pages:
+            return "off: torch's allocator (4 KiB pages unless THP is always)"
+        weights = hugepages.tensors_of(self.model.weight_holders())
+        kv = (self.kv.k + self.kv.v) if self.kv else []
+        mib = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
+        return (f"THP {hugepages.mode()}: weights {mib(hugepages.backed(weights))} of "
+                f"{mib(sum(t.nbytes for t in weights))} MiB, KV pool {mib(hugepages.backed(kv))} of "
+                f"{mib(sum(t.nbytes for t in kv))} MiB on huge pages")
 
     def batch_invariance(self) -> str:
         """"on: ..." where every part of the step sums each row in an order that does not depend on the

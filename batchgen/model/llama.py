@@ -115,6 +115,11 @@ class LlamaModel:
         n += sum(m.nbytes for l in self.layers for m in (l.qkv, l.o, l.gate_up, l.down))
         return n + self.norm.numel() * self.norm.element_size() + self.lm_head.nbytes
 
+    def weight_holders(self) -> list[object]:
+        """The objects whose attributes hold the model's tensors: the model, its layers, their matrices."""
+        out = [self, *self.layers]
+        return out + [v for o in out for v in vars(o).values() if hasattr(v, "out_features")]
+
     @property
     def weight_layout(self) -> str:
         layers, head = self.layers[0].qkv.layout, self.lm_head.layout
