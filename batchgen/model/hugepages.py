@@ -71,10 +71,20 @@ def place(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def plain(t) -> bool:
+    """A CPU tensor with bytes of its own (not oneDNN's opaque prepacked weights, which have no storage)."""
+    if not (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided):
+        return False
+    try:
+        t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 def movable(t) -> bool:
     """A plain CPU tensor that is its storage's only view (so nothing else holds its bytes)."""
-    return (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided
-            and not t.requires_grad and t.is_contiguous() and t.storage_offset() == 0
+    return (plain(t) and not t.requires_grad and t.is_contiguous() and t.storage_offset() == 0
             and t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.numel() > 0)
 
 
@@ -94,7 +104,7 @@ def place_attributes(holders: list[object]) -> int:
 
 def tensors_of(holders: list[object]) -> list[torch.Tensor]:
     """The CPU tensors these objects' attributes hold, each once (placed or not)."""
-    return [t for t, _ in _uses(holders, lambda t: isinstance(t, torch.Tensor) and t.device.type == "cpu").values()]
+    return [t for t, _ in _uses(holders, plain).values()]
 
 
 def _uses(holders: list[object], pick=movable) -> dict[int, tuple[torch.Tensor, list[tuple[object, str]]]]:
@@ -119,7 +129,7 @@ def backed(tensors: list[torch.Tensor]) -> int:
     """Bytes of these tensors' mappings that sit on huge pages (AnonHugePages in /proc/self/smaps),
     each mapping counted once, at most the tensors' own bytes in whole huge pages; 0 where smaps
     cannot be read."""
-    starts = {t.data_ptr() for t in tensors if t.device.type == "cpu" and t.numel()}
+    starts = {t.data_ptr() for t in tensors if plain(t) and t.numel()}
     try:
         lines = Path("/proc/self/smaps").read_text().splitlines()
     except OSError:
@@ -133,4 +143,4 @@ def backed(tensors: list[torch.Tensor]) -> int:
         elif hit and head == "AnonHugePages:":
             total += int(line.split()[1]) * 1024
     # the kernel merges neighbouring mappings of the same kind (two arenas) into one range: at most the tensors' own
-    return min(total, sum(t.numel() * t.element_size() for t in tensors))
+    return min(total, sum(t.numel() * t.element_size() for t in tensors if plain(t)))
