@@ -630,8 +630,8 @@ constexpr int MAX_RB = 6;   // rows a pass takes side by side
 // fold this group: the loads stream while the folds compute, where reading a whole group's lines before
 // its fold (one burst, then the arithmetic) kept them apart. The runs are the group's K and V rows of
 // each block, every head of the task. On a 2-core Zen 3 (attention alone, 30 layers, alternated, the
-// same bits): batch-64 decode 57.0 -> 47.3 ms a step, batch 256 216.6 -> 187.3. The same group's lines
-// asked for in one burst before this group's fold were slower (0.96x), and so were those two groups on.
+// same bits): batch-64 decode 63.9 -> 53.6 ms a step, batch 256 234.2 -> 190.1. The next group's lines
+// asked for in one burst before each head's pack were slower (0.96-0.99x), and so were those two groups on.
 struct Ahead {
   const char* run[2 * KG];  // at most KG blocks (block size 1), a K run and a V run each; or 2 a head
   int64_t len[2 * KG];

@@ -7,8 +7,8 @@ anonymous mapping huge pages where `/sys/kernel/mm/transparent_hugepage/enabled`
 `madvise` and the mapping asked for them (MADV_HUGEPAGE, before its pages are first touched); PyTorch's
 allocator asks only under THP_MEM_ALLOC_ENABLE, and never for tensors under 2 MiB, which is every one
 of a batch-1 model's block matrices. So the buffers here are mappings of their own, asked for huge
-pages, then filled: `empty` for the KV pool, `place` for a model's weights (one mapping for all of
-them, each tensor a view into it). Where the OS has no THP (`never`, not Linux), they are plain
+pages, then filled: `arena` for the KV pool, `place_attributes` for a model's weights (one mapping for
+all of them, each tensor a view into it). Where the OS has no THP (`never`, not Linux), they are plain
 mappings, and nothing else changes. `backed` reads /proc/self/smaps: the bytes of a tensor that
 actually sit on huge pages (the run conditions print it; the kernel may run out of free huge pages).
 """
