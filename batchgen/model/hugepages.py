@@ -54,7 +54,7 @@ def empty(nbytes: int) -> torch.Tensor:
 
 def arena(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
     """Zeroed tensors of these shapes and dtypes, side by side in one mapping (see `empty`)."""
-    sizes = [torch.Size(s).numel() * torch.tensor([], dtype=d).element_size() for s, d in shapes]
+    sizes = [torch.Size(s).numel() * d.itemsize for s, d in shapes]
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
