@@ -245,7 +245,9 @@ def test_llama_cpp_runs_the_shipped_gguf_as_a_peer(real_model_dir):
 
 def test_the_step_profiler_splits_each_phase_into_classes(tiny_model_dir):
     """python -m batchgen.benchmarks.profile on the tiny model: both phases measured, every class's share
-    between 0 and 1 and the shares summing to 1; and the op names land in the classes they should."""
+    between 0 and 1 and the shares summing to 1; and the op names land in the classes they should. The
+    prompts take several prefill steps, and every decode step still runs all the batch's rows (the
+    rows admitted first decode during the later prefill steps and must not finish before the decode phase)."""
     from batchgen.benchmarks import profile
 
     assert profile.classify("batchgen_gemv::gemv") == profile.classify("aten::addmm") == "GEMM"
@@ -256,8 +258,10 @@ def test_the_step_profiler_splits_each_phase_into_classes(tiny_model_dir):
     assert all(profile.classify(k) == "fused elementwise" for k in ("batchgen_rmsnorm::rms_norm", "batchgen_rope::rope",
                                                                    "batchgen_act::silu_mul"))
     assert profile.classify("batchgen_rmsnorm::rms_norm") == "fused elementwise"
-    row = profile.profile_batch(tiny_model_dir, 2, decode_steps=3, compile_="off", ops=5)
+    row = profile.profile_batch(tiny_model_dir, 48, decode_steps=3, compile_="off", ops=5)
     assert set(row["phases"]) == {"prefill", "decode"}
+    assert row["phases"]["prefill"]["steps"] > 2
+    assert row["phases"]["decode"]["steps"] == 3 and row["phases"]["decode"]["tokens"] == 3 * 48
     for phase in row["phases"].values():
         assert phase["steps"] > 0 and phase["wall_s"] > 0
         assert set(phase["shares"]) == set(profile.CLASSES) and all(0 <= v <= 1 for v in phase["shares"].values())
@@ -266,7 +270,7 @@ def test_the_step_profiler_splits_each_phase_into_classes(tiny_model_dir):
     assert "GEMM" in profile.format_rows([row])
     top = row["phases"]["prefill"]["ops"]  # --ops: the phase's ops by own time, most first
     assert 0 < len(top) <= 5 and [t[2] for t in top] == sorted((t[2] for t in top), reverse=True)
-    assert "batch 2 prefill: the ops with the most own time" in profile.format_rows([row])
+    assert "batch 48 prefill: the ops with the most own time" in profile.format_rows([row])
 
 
 def test_the_targets_judge_each_engine_against_its_peer_in_the_same_dtype():

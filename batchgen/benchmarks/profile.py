@@ -77,10 +77,14 @@ def profile_batch(model_dir, batch: int, decode_steps: int, compile_: str = "on"
                        kv_cache_tokens=batch * 700 + 2048, max_num_batched_tokens=4096)
     e = NativeEngine(model_dir, cfg)
     ids = held_prompt_ids(e.tokenizer, batch)  # the bench's chat prompts
+    # Prompts admitted early decode a token in each prefill step after theirs (chunked prefill), so every
+    # request runs long enough to be still running through the profiled decode steps: all `batch` rows.
+    prefill_steps = -(-sum(len(p) for p in ids) // cfg.max_num_batched_tokens) + 1
+    params = SamplingParams(max_tokens=prefill_steps + decode_steps + 2, ignore_eos=True)
     # warm-up, the same requests as the profiled ones: every bucket those steps use compiles here
-    run_engine(e, ids, batch, SamplingParams(max_tokens=decode_steps + 2, ignore_eos=True), None, "warm")
+    run_engine(e, ids, batch, params, None, "warm")
     for i, p in enumerate(ids):
-        e.add(f"p-{i}", p, SamplingParams(max_tokens=decode_steps + 2, ignore_eos=True))
+        e.add(f"p-{i}", p, params)
     phases = {}
     with profile(activities=[ProfilerActivity.CPU]) as prof:  # the prefill steps: until every prompt is in
         t0, steps, tokens = time.perf_counter(), 0, 0
@@ -91,12 +95,12 @@ def profile_batch(model_dir, batch: int, decode_steps: int, compile_: str = "on"
     phases["prefill"] = {"steps": steps, "tokens": tokens, "wall_s": wall, "shares": shares(prof, wall),
                          "ops": top_ops(prof, steps, ops)}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0, steps = time.perf_counter(), 0
+        t0, steps, tokens = time.perf_counter(), 0, 0
         while e.has_unfinished() and steps < decode_steps:
-            e.step()
-            steps += 1
+            r = e.step()
+            steps, tokens = steps + 1, tokens + r.num_decode_tokens
         wall = time.perf_counter() - t0
-    phases["decode"] = {"steps": steps, "tokens": steps * batch, "wall_s": wall, "shares": shares(prof, wall),
+    phases["decode"] = {"steps": steps, "tokens": tokens, "wall_s": wall, "shares": shares(prof, wall),
                         "ops": top_ops(prof, steps, ops)}
     while e.has_unfinished():
         e.step()
@@ -106,14 +110,14 @@ def profile_batch(model_dir, batch: int, decode_steps: int, compile_: str = "on"
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = f"{'batch':>5} {'phase':<8} {'dtype':<9} {'ms/step':>8} " + " ".join(f"{c:>12}" for c in
+    head = f"{'batch':>5} {'phase':<8} {'dtype':<9} {'ms/step':>8} {'tok/step':>8} " + " ".join(f"{c:>12}" for c in
                                                                             ("GEMM", "attention", "sampling", "fused ew",
                                                                              "other ops", "host"))
     lines = [head]
     for r in rows:
         for phase, p in r["phases"].items():
             ms = 1e3 * p["wall_s"] / max(p["steps"], 1)
-            lines.append(f"{r['batch']:>5} {phase:<8} {r['dtype']:<9} {ms:>8.1f} "
+            lines.append(f"{r['batch']:>5} {phase:<8} {r['dtype']:<9} {ms:>8.1f} {p['tokens'] / max(p['steps'], 1):>8.0f} "
                          + " ".join(f"{100 * p['shares'][c]:>11.0f}%" for c in CLASSES))
     for r in rows:
         for phase, p in r["phases"].items():
