@@ -77,9 +77,11 @@ def profile_batch(model_dir, batch: int, decode_steps: int, compile_: str = "on"
                        kv_cache_tokens=batch * 700 + 2048, max_num_batched_tokens=4096)
     e = NativeEngine(model_dir, cfg)
     ids = held_prompt_ids(e.tokenizer, batch)  # the bench's chat prompts
-    # Prompts admitted early decode a token in each prefill step after theirs (chunked prefill), so every
-    # request runs long enough to be still running through the profiled decode steps: all `batch` rows.
-    prefill_steps = -(-sum(len(p) for p in ids) // cfg.max_num_batched_tokens) + 1
+    # Prompts admitted early decode a token in each prefill step after theirs (chunked prefill, their
+    # decodes taking part of each step's token budget), so every request runs long enough to be still
+    # running through the profiled decode steps: all `batch` rows.
+    per_step = max(cfg.max_num_batched_tokens - batch, cfg.max_num_batched_tokens // 2)
+    prefill_steps = -(-sum(len(p) for p in ids) // per_step) + 1
     params = SamplingParams(max_tokens=prefill_steps + decode_steps + 2, ignore_eos=True)
     # warm-up, the same requests as the profiled ones: every bucket those steps use compiles here
     run_engine(e, ids, batch, params, None, "warm")
