@@ -632,6 +632,8 @@ constexpr int MAX_RB = 6;   // rows a pass takes side by side
 // each block, every head of the task. On a 2-core Zen 3 (attention alone, 30 layers, alternated, the
 // same bits): batch-64 decode 63.9 -> 53.6 ms a step, batch 256 234.2 -> 190.1. The next group's lines
 // asked for in one burst before each head's pack were slower (0.96-0.99x), and so were those two groups on.
+// Spread as here, two groups on were slower too (batch 256 0.93x), into L2 (T1) level, and a task's
+// first group asked for by the task before it level (docs/speed.md, 2026-12-06).
 struct Ahead {
   const char* run[2 * KG];  // at most KG blocks (block size 1), a K run and a V run each; or 2 a head
   int64_t len[2 * KG];
