@@ -303,7 +303,7 @@ def test_vllm_on_cpu_samples_seeded_rows_whose_prompts_take_several_steps(real_m
     from test_engine import run_all
 
     # float32: the failure was in the seeded generators, whatever the dtype, and vLLM's bf16 matmuls
-    # crawl on a CPU without bf16 math (88 s of CI on a Zen 3, against ~30 s in float32)
+    # crawl on a CPU without bf16 math (88 s of CI on a Zen 3, against 45 s in float32)
     e = VllmEngine(real_model_dir, EngineConfig(dtype="float32", max_num_seqs=12, max_model_len=256,
                                                 max_num_batched_tokens=256), options=dict(EAGER))
     try:
