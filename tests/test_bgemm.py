@@ -66,3 +66,65 @@ def test_bad_input_is_refused():
         torch.ops.batchgen_bgemm.bgemm(torch.randn(2, 64), packed, 32, 0)
     with pytest.raises(RuntimeError, match="shapes do not match"):
         torch.ops.batchgen_bgemm.bgemm(torch.randn(2, 96).bfloat16(), packed, 32, 0)
+
+
+@pytest.mark.parametrize("i,k", [(1536, 576), (37, 64), (3, 5)])  # SmolLM2's MLP; I short of a block
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_swiglu_in_the_kernel_has_the_bits_of_the_matmul_then_the_activation(i, k, rows):
+    """bgemm_swiglu (the gate/up matmul applying SwiGLU as it writes) against bgemm then the silumul
+    kernel: the same bits on each instruction set, whatever the rows; the plain product from its tiles
+    stays the matmul's."""
+    from batchgen.model import activation
+
+    if activation.load() is not None:
+        pytest.skip(f"silumul kernel unavailable: {activation.load()}")
+    g = torch.Generator().manual_seed(i + rows)
+    w = (torch.randn(2 * i, k, generator=g) / k ** 0.5).bfloat16()
+    x = (torch.randn(rows, k, generator=g) * 3).bfloat16()
+    plain, fused = Linear(w.clone(), bf16_tiles=True), Linear(w.clone(), bf16_tiles=True)
+    assert fused.fuse_swiglu() and fused.tiled is None and fused.layout.endswith("SwiGLU in the kernel")
+    for amx in paths():
+        plain.amx = fused.amx = amx
+        want = activation.silu_mul(plain(x))
+        got = fused.swiglu(x)
+        assert got.shape == (rows, i) and got.dtype == torch.bfloat16 and torch.equal(got, want)
+        assert torch.equal(fused.swiglu(x[-1:]), want[-1:])  # a row alone: its bits as in the batch
+        assert torch.equal(fused(x), plain(x))
+        assert torch.equal(on_one_thread(lambda: fused.swiglu(x)), want)
+    # a bias keeps the matmul and the activation apart
+    assert not Linear(w.clone(), torch.zeros(2 * i).bfloat16(), bf16_tiles=True).fuse_swiglu()
+
+
+@pytest.mark.parametrize("n,k", [(576, 1536), (576, 576), (7, 33), (100, 1000)])  # SmolLM2's down, o; ragged
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_the_residual_add_in_the_kernel_has_the_bits_of_the_matmul_then_the_add(n, k, rows):
+    """bgemm_add (h + x W^T as each tile leaves the kernel) against bgemm then ATen's bf16 add: the same
+    bits on each instruction set, whatever the rows."""
+    g = torch.Generator().manual_seed(n + k + rows)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    x, h = (torch.randn(rows, k, generator=g) * 3).bfloat16(), (torch.randn(rows, n, generator=g) * 10).bfloat16()
+    lin = Linear(w.clone(), bf16_tiles=True)
+    for amx in paths():
+        lin.amx = amx
+        want = h + lin(x)
+        assert torch.equal(lin.add_to(x, h), want) and torch.equal(bgemm.add(x, lin.tiled, n, h, amx), want)
+        assert torch.equal(lin.add_to(x[-1:], h[-1:]), want[-1:])  # a row alone: its bits as in the batch
+        # a strided residual (made contiguous) and leading dimensions
+        h3, x3 = torch.randn(2, rows, 2 * n, generator=g).bfloat16()[..., ::2], torch.randn(2, rows, k, generator=g).bfloat16()
+        assert torch.equal(lin.add_to(x3, h3), h3 + lin(x3))
+    with pytest.raises(RuntimeError, match="the residual must be bfloat16 of the output's shape"):
+        bgemm.add(x, lin.tiled, n, h[:, :-1])
+    with pytest.raises(RuntimeError, match="the residual must be bfloat16"):
+        bgemm.add(x, lin.tiled, n, h.float())
+    # a float32 residual beside bf16 weights: the add after the matmul, in ATen's type promotion
+    assert torch.equal(lin.add_to(x, h.float()), h.float() + lin(x))
+
+
+def test_fused_ops_run_under_compile():
+    torch.manual_seed(3)
+    gu = Linear((torch.randn(64, 32) * 0.1).bfloat16(), bf16_tiles=True)
+    down = Linear((torch.randn(32, 32) * 0.1).bfloat16(), bf16_tiles=True)
+    assert gu.fuse_swiglu()
+    x, h = torch.randn(5, 32).bfloat16(), torch.randn(5, 32).bfloat16()
+    step = torch.compile(lambda t, r: down.add_to(gu.swiglu(t), r) * 2, dynamic=False)
+    assert torch.equal(step(x, h), down.add_to(gu.swiglu(x), h) * 2)

@@ -128,7 +128,7 @@ class ModelRunner:
         if config.device == "cpu":
             # faster than torch's ops, and the same bits in the eager and the compiled step: the norm sums each
             # row in one order (Inductor's fused norm does not add as ATen's does), RoPE rounds where ATen does
-            # and the gate/up matmul on the gemv kernel applies SwiGLU as it writes (the same bits again)
+            # and the gate/up matmul on the gemv or bgemm kernel applies SwiGLU as it writes (the same bits again)
             silu = activation.silu_mul if activation.load() is None else None
             model.use_kernels(norm=rmsnorm.rms_norm if rmsnorm.load() is None else None,
                               rope=rope.apply_rope if rope.load() is None else None, silu=silu,

@@ -16,6 +16,13 @@
 // (column block, K block) is one B tile of 1 KiB in the VNNI order both instructions read, and a
 // column block's tiles lie in K order, so a pass over K streams contiguous memory. Built on the
 // machine that runs it (batchgen/kernels, -march=native).
+//
+// Two epilogues, applied as a block's outputs leave the kernel, give the bits of the plain product
+// followed by the op they replace, without that op's passes over memory:
+//   - bgemm_swiglu: W packed with gate block j beside up block j (a task's 32 columns), and
+//     y = round(round(silu(round(g))) * round(u)), silumul.cpp's formula and roundings (vec.h's SiLU);
+//     the [T, 2I] product is never written;
+//   - bgemm_add: y = round(h + round(x W^T)), ATen's bf16 add (both in float32, rounded once).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -28,6 +35,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "vec.h"
 
 #if !defined(__AVX512BF16__)
 #error "batchgen bgemm needs bf16 dot-product instructions (AVX512_BF16 or AMX); this CPU has neither"
@@ -49,14 +58,54 @@ static bool amx_usable() {
 #endif
 }
 
-static inline void store_bf16(const float* c, int64_t cols, c10::BFloat16* y) {
-  int64_t n = 0;
-  for (; n + 16 <= cols; n += 16) {  // round to nearest even, as c10::BFloat16 does
-    __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(c + n));
-    std::memcpy(y + n, &h, sizeof h);
-  }
-  for (; n < cols; ++n) y[n] = c10::BFloat16(c[n]);
+// float32 -> bfloat16 -> float32: rounded to nearest even, as c10::BFloat16 does
+static inline __m512 round_f32(__m512 v) {
+  const __m256bh h = _mm512_cvtneps_pbh(v);
+  __m256i hi;
+  std::memcpy(&hi, &h, sizeof hi);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
 }
+
+static inline void store16(__m512 v, int64_t cols, c10::BFloat16* y) {
+  const __m256bh h = _mm512_cvtneps_pbh(v);
+  if (cols >= 16) {
+    std::memcpy(y, &h, sizeof h);
+  } else {
+    c10::BFloat16 tmp[16];
+    std::memcpy(tmp, &h, sizeof h);
+    std::memcpy(y, tmp, cols * sizeof(*y));
+  }
+}
+
+// a row's 32 outputs c into y (cols of them)
+static inline void store_bf16(const float* c, int64_t cols, c10::BFloat16* y) {
+  store16(_mm512_loadu_ps(c), cols, y);
+  if (cols > 16) store16(_mm512_loadu_ps(c + 16), cols - 16, y + 16);
+}
+
+// the same, plus the residual h (cols of it): round(h + round(c))
+static inline void store_add(const float* c, int64_t cols, const c10::BFloat16* h, c10::BFloat16* y) {
+  for (int64_t half = 0; half < 2 && half * 16 < cols; ++half) {
+    const int64_t n = std::min<int64_t>(16, cols - half * 16);
+    const __mmask16 m = n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+    const __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, h + half * 16)), 16));
+    store16(_mm512_add_ps(round_f32(_mm512_loadu_ps(c + half * 16)), hv), n, y + half * 16);
+  }
+}
+
+// gate c[0, 16) and up c[16, 32): silu(g) * u for cols of them, rounded where bgemm then silumul round
+static inline void store_swiglu(const float* c, int64_t cols, c10::BFloat16* y) {
+  const __m512 g = round_f32(_mm512_loadu_ps(c)), u = round_f32(_mm512_loadu_ps(c + 16));
+  batchgen_vec::vec gv;
+  std::memcpy(&gv, &g, sizeof gv);
+  const batchgen_vec::vec s = batchgen_vec::silu(gv);
+  __m512 sv;
+  std::memcpy(&sv, &s, sizeof sv);
+  store16(_mm512_mul_ps(round_f32(sv), u), cols, y);
+}
+
+enum class Epilogue { Plain, Add, SwiGLU };
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 struct TileConfig {
@@ -162,12 +211,16 @@ static void dp_block(const c10::BFloat16* a, int64_t lda, int64_t rows, int64_t 
   }
 }
 
-at::Tensor bgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t use_amx) {
+// y [.., n] = x [.., K] W^T through epilogue E; `per` outputs a task's 32 columns give (32, or 16 for
+// SwiGLU); h [.., n] the residual for Add
+template <Epilogue E>
+at::Tensor multiply(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t use_amx, const at::Tensor* h = nullptr) {
+  constexpr int64_t per = E == Epilogue::SwiGLU ? 16 : 32;
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "batchgen bgemm: bfloat16 only");
   TORCH_CHECK(w.dim() == 5 && w.size(2) == TK / 2 && w.size(3) == TN && w.size(4) == 2 && w.is_contiguous(),
               "batchgen bgemm: weight must be packed [N/16, K/32, 16, 16, 2]");
   const int64_t K = x.size(-1), NB = w.size(0), KB = w.size(1);
-  TORCH_CHECK(NB % 2 == 0 && n <= NB * TN && n > (NB - 2) * TN && KB * TK >= K && (KB - 1) * TK < K,
+  TORCH_CHECK(NB % 2 == 0 && n <= NB / 2 * per && n > (NB / 2 - 1) * per && KB * TK >= K && (KB - 1) * TK < K,
               "batchgen bgemm: shapes do not match");
   const bool amx = use_amx && amx_usable();
   TORCH_CHECK(!use_amx || amx, "batchgen bgemm: AMX asked for but not usable here");
@@ -177,6 +230,13 @@ at::Tensor bgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t us
   auto sizes = x.sizes().vec();
   sizes.back() = n;
   auto y = at::empty(sizes, x.options());
+  at::Tensor h2;
+  if constexpr (E == Epilogue::Add) {
+    TORCH_CHECK(h->scalar_type() == at::kBFloat16 && h->sizes() == y.sizes(),
+                "batchgen bgemm_add: the residual must be bfloat16 of the output's shape ", y.sizes(), ", got ", h->sizes());
+    h2 = h->contiguous();
+  }
+  const c10::BFloat16* hp = E == Epilogue::Add ? h2.data_ptr<c10::BFloat16>() : nullptr;
   const auto* xp = x2.data_ptr<c10::BFloat16>();
   const auto* wp = w.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
@@ -192,7 +252,7 @@ at::Tensor bgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t us
       const int64_t mt = t / NP, np = t % NP;
       const auto* b0 = wp + (2 * np) * KB * TILE;
       const auto* b1 = b0 + KB * TILE;
-      const int64_t col0 = np * 32, cols = std::min<int64_t>(32, n - col0);
+      const int64_t col0 = np * per, cols = std::min<int64_t>(per, n - col0);
       for (int64_t m = mt * MC; m < std::min(M, (mt + 1) * MC); m += MB) {
         const int64_t rows = std::min<int64_t>(MB, M - m);
         const c10::BFloat16* a = xp + m * K;
@@ -214,7 +274,12 @@ at::Tensor bgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t us
         } else {
           dp_block(a, lda, rows, KB, b0, b1, c);
         }
-        for (int64_t r = 0; r < rows; ++r) store_bf16(c + r * 32, cols, yp + (m + r) * n + col0);
+        for (int64_t r = 0; r < rows; ++r) {
+          c10::BFloat16* yr = yp + (m + r) * n + col0;
+          if constexpr (E == Epilogue::Plain) store_bf16(c + r * 32, cols, yr);
+          if constexpr (E == Epilogue::Add) store_add(c + r * 32, cols, hp + (m + r) * n + col0, yr);
+          if constexpr (E == Epilogue::SwiGLU) store_swiglu(c + r * 32, cols, yr);
+        }
       }
     }
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
@@ -224,11 +289,31 @@ at::Tensor bgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t us
   return y;
 }
 
+at::Tensor bgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t use_amx) {
+  return multiply<Epilogue::Plain>(x, w, n, use_amx);
+}
+
+// silu(x Wg^T) * (x Wu^T) [.., n] from a weight packed with gate and up blocks side by side
+at::Tensor bgemm_swiglu(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t use_amx) {
+  return multiply<Epilogue::SwiGLU>(x, w, n, use_amx);
+}
+
+// h + x W^T
+at::Tensor bgemm_add(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t use_amx, const at::Tensor& h) {
+  return multiply<Epilogue::Add>(x, w, n, use_amx, &h);
+}
+
 // "amx" or "avx512-bf16": the instructions bgemm runs on by default here
 std::string isa() { return amx_usable() ? "amx" : "avx512-bf16"; }
 
 TORCH_LIBRARY(batchgen_bgemm, m) {
   m.def("bgemm(Tensor x, Tensor w, int n, int use_amx) -> Tensor");
+  m.def("bgemm_swiglu(Tensor x, Tensor w, int n, int use_amx) -> Tensor");
+  m.def("bgemm_add(Tensor x, Tensor w, int n, int use_amx, Tensor h) -> Tensor");
   m.def("isa() -> str", &isa);
 }
-TORCH_LIBRARY_IMPL(batchgen_bgemm, CPU, m) { m.impl("bgemm", &bgemm); }
+TORCH_LIBRARY_IMPL(batchgen_bgemm, CPU, m) {
+  m.impl("bgemm", &bgemm);
+  m.impl("bgemm_swiglu", &bgemm_swiglu);
+  m.impl("bgemm_add", &bgemm_add);
+}

@@ -1,6 +1,6 @@
 // Float vectors of the machine's width, e^x and SiLU on them, shared by batchgen's C++ kernels (included
-// by attention.cpp, silumul.cpp, gemv.cpp and sample.cpp, which keeps its own e^x; batchgen.kernels
-// hashes this file into each includer's build key). Built with -march=native: VL is this machine's width.
+// by attention.cpp, silumul.cpp, gemv.cpp, bgemm.cpp and sample.cpp, which keeps its own e^x;
+// batchgen.kernels hashes this file into each includer's build key). Built with -march=native: VL is this machine's width.
 #pragma once
 
 #include <cstdint>
@@ -51,8 +51,8 @@ __attribute__((always_inline)) inline V vexp_of(V x) {
 
 __attribute__((always_inline)) inline vec vexp(vec x) { return vexp_of<vec, ivec>(x); }
 
-// SiLU, g / (1 + e^-g), float32: the one formula of silumul.cpp, of gemv.cpp's SwiGLU tiles and of
-// qgemv.cpp's, so a fused matmul has the activation kernel's bits
+// SiLU, g / (1 + e^-g), float32: the one formula of silumul.cpp, of gemv.cpp's and bgemm.cpp's SwiGLU
+// tiles and of qgemv.cpp's, so a fused matmul has the activation kernel's bits
 template <typename V, typename I>
 __attribute__((always_inline)) inline V silu_of(V g) { return g / (V{} + 1.f + vexp_of<V, I>(-g)); }
 

@@ -114,30 +114,48 @@ class Linear:
                 self.packed = None
 
     def fuse_swiglu(self) -> bool:
-        """Hold a gemv-blocked [gate; up] weight as gemv_swiglu's blocks (batchgen.model.gemv.block_swiglu)
-        so that `swiglu(x)` returns silu(gate) * up from one kernel call. False where this weight is
-        not on the gemv kernel (or has a bias): the caller keeps the matmul and the activation apart."""
-        if self.blocked is None or self.bias is not None or self.out_features % 2:
+        """Hold a [gate; up] weight as the fused kernel's blocks so that `swiglu(x)` returns
+        silu(gate) * up from one kernel call: gemv_swiglu's (batchgen.model.gemv.block_swiglu) for a
+        gemv-blocked float32 weight, bgemm_swiglu's (batchgen.model.bgemm.pack_swiglu) for bf16 tiles.
+        False where this weight is on neither kernel (or has a bias): the caller keeps the matmul and
+        the activation apart."""
+        if self.bias is not None or self.out_features % 2:
             return False
-        from batchgen.model import gemv
+        if self.blocked is not None:
+            from batchgen.model import gemv
 
-        width = self.blocked.shape[2]
-        self.gated, self.blocked = gemv.block_swiglu(gemv.unblock(self.blocked, self.out_features), width), None
-        return True
+            width = self.blocked.shape[2]
+            self.gated, self.blocked = gemv.block_swiglu(gemv.unblock(self.blocked, self.out_features), width), None
+            return True
+        if self.tiled is not None:
+            from batchgen.model import bgemm
+
+            self.gated = bgemm.pack_swiglu(bgemm.unpack(self.tiled, self.out_features, self.in_features))
+            self.tiled = None
+            return True
+        return False
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x Wg^T) * (x Wu^T) [.., out_features / 2], once fuse_swiglu has taken this weight."""
+        if self.gated.dtype == torch.bfloat16:
+            return torch.ops.batchgen_bgemm.bgemm_swiglu(x, self.gated, self.out_features // 2, int(self.amx))
         return torch.ops.batchgen_gemv.gemv_swiglu(x, self.gated, self.out_features // 2)
 
     def add_to(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """h + x W^T (+ b): a residual stream plus this layer's output. On the gemv kernel the add is
-        the kernel's epilogue (gemv_add: the same bits, one pass less over the output)."""
-        if self.blocked is not None and self.bias is None and h.dtype == torch.float32:
-            return torch.ops.batchgen_gemv.gemv_add(x, self.blocked, self.out_features, h)
+        """h + x W^T (+ b): a residual stream plus this layer's output. On the gemv and bgemm kernels
+        the add is the kernel's epilogue (gemv_add, bgemm_add: the same bits, one pass less over the
+        output)."""
+        if self.bias is None and h.dtype == self.dtype:
+            if self.blocked is not None and h.dtype == torch.float32:
+                return torch.ops.batchgen_gemv.gemv_add(x, self.blocked, self.out_features, h)
+            if self.tiled is not None and h.dtype == torch.bfloat16:
+                return torch.ops.batchgen_bgemm.bgemm_add(x, self.tiled, self.out_features, int(self.amx), h)
         return h + self(x)
 
     @property
     def layout(self) -> str:
+        if self.gated is not None and self.gated.dtype == torch.bfloat16:
+            return f"bgemm-tiled ({'AMX' if self.amx else 'AVX512_BF16'}), SwiGLU in the kernel"
         if self.gated is not None:
             return f"gemv-blocked [N/{self.gated.shape[2]}, K, {self.gated.shape[2]}], SwiGLU in the kernel"
         if self.blocked is not None:
@@ -147,6 +165,11 @@ class Linear:
         return "onednn-packed" if self.packed is not None else "plain [N, K]"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated is not None and self.gated.dtype == torch.bfloat16:  # the plain product from the tiles
+            i = self.out_features // 2
+            y = torch.ops.batchgen_bgemm.bgemm(x, self.gated, self.gated.shape[0] * 16, int(self.amx))
+            y = y.unflatten(-1, (-1, 2, 16))  # [gate 16 | up 16] a task
+            return torch.cat([y[..., 0, :].flatten(-2)[..., :i], y[..., 1, :].flatten(-2)[..., :i]], dim=-1)
         if self.gated is not None:  # the plain product from fuse_swiglu's blocks: [gate h | up h] a block
             nb, _, width = self.gated.shape
             y = torch.ops.batchgen_gemv.gemv(x, self.gated, nb * width).unflatten(-1, (nb, 2, width // 2))

@@ -132,7 +132,7 @@ class LlamaModel:
         is SiLU), e.g. batchgen's kernels (batchgen.model.rmsnorm, .rope, .activation), which a compile
         leaves alone: opaque ops to Inductor. The rope kernel takes the step's shapes only, so the
         no-cache path (`prefill`) keeps apply_rope. `fuse_swiglu`: where `silu` is batchgen's kernel,
-        the gate/up matmuls on the gemv kernel apply it themselves (Linear.fuse_swiglu: the same bits,
+        the gate/up matmuls on the gemv or bgemm kernel apply it themselves (Linear.fuse_swiglu: the same bits,
         without the [T, 2I] product in memory)."""
         if norm is not None:
             self.base_norm = self.norm_fn = norm
