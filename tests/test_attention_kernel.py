@@ -155,16 +155,18 @@ def test_float32_on_shapes_outside_the_keys_in_lanes_path(op, dims, bs):
 
 
 @pytest.mark.parametrize("bs", [8, 16, 32, 64])
-def test_float32_decode_across_many_key_groups_on_block_sizes(op, bs):
-    """A float32 decode tile on AVX2 asks for its next key group's lines while it folds the one before
-    (Ahead): contexts of up to 22 groups of 32 positions, on blocks smaller than a group, one, and
-    larger, with a task per KV head (3 rows) or per tile, every head (20 rows), match the PyTorch path."""
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_decode_across_many_key_groups_on_block_sizes(op, bs, dtype, tol):
+    """A decode tile (float32 on AVX2, bfloat16 on AVX512_BF16) asks for its next key group's lines
+    while it folds the one before (Ahead): contexts of up to 22 groups of 32 positions, on blocks
+    smaller than a group, one, and larger, with a task per KV head (3 rows) or per tile, every head
+    (20 rows), match the PyTorch path."""
     for rows in (3, 20):
         chunks = [((97 * i + 31) % 700, 1) for i in range(rows)]
         g, T = plan(chunks, 1, DECODE_KEYS, seed=bs, bs=bs)
-        q, k, v = tensors(T, torch.float32, seed=rows, bs=bs)
+        q, k, v = tensors(T, dtype, seed=rows, bs=bs)
         got, ref = both(op, g, q, k, v)
-        torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("window,softcap", [(5, None), (None, 3.0), (70, 50.0)])

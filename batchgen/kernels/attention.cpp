@@ -13,9 +13,12 @@
 // positions, keys packed so that one `vdpbf16ps` scores a pair of dims for 16 keys, the weights rounded
 // to bfloat16 before they multiply the values (as FlashAttention does). A prompt chunk's rows take a
 // group in passes over all of them (scores, weights, values), so that one row's latency hides behind
-// the others' work: a 4,096-token prefill step's attention 319 -> 250 ms on a 2-core Zen 4. A decode tile reads its blocks a word a line ahead of its folds, so their
-// lines arrive while it computes (prefetch instructions did not, measured): batch-64 decode attention
-// of SmolLM2-135M on prompts of 146-498 tokens went from 45 to 29 ms a step on a 2-core Zen 4.
+// the others' work: a 4,096-token prefill step's attention 319 -> 250 ms on a 2-core Zen 4. A decode
+// tile read its blocks a word a line ahead of its folds (batch-64 decode attention of SmolLM2-135M on
+// prompts of 146-498 tokens, 45 -> 29 ms a step on a 2-core Zen 4); it now asks for its next group's
+// lines from inside the loops that fold the one before (Ahead, as the AVX2 path): on a 2-core Xeon
+// with AMX, 37.6 -> 31.1 ms a step at batch 64 and 141.7 -> 115.4 at 256, the same bits (the Zen 4 not
+// measured again).
 //
 // float32 caches on AVX2 (without AVX-512) take the same keys-in-lanes plan in 8-float vectors
 // (attend_lanes8): groups of 32 positions, keys transposed once per task and head, so a score is D
@@ -331,6 +334,59 @@ void run_tasks(int64_t n, Body body) {
                    [&](int64_t, int64_t) { body(next); });
 }
 
+#if defined(__x86_64__)
+// A decode tile's next key group, asked for (prefetch) a line or two at a time from inside the loops that
+// fold this group (the AVX2 float32 path and the AVX512_BF16 path alike): the loads stream while the folds compute, where reading a whole group's lines before
+// its fold (one burst, then the arithmetic) kept them apart. The runs are the group's K and V rows of
+// each block, every head of the task. On a 2-core Zen 3 (attention alone, 30 layers, alternated, the
+// same bits): batch-64 decode 63.9 -> 53.6 ms a step, batch 256 234.2 -> 190.1. The next group's lines
+// asked for in one burst before each head's pack were slower (0.96-0.99x), and so were those two groups on.
+// Spread as here, two groups on were slower too (batch 256 0.93x), into L2 (T1) level, and a task's
+// first group asked for by the task before it level (docs/speed.md, 2026-12-06).
+struct Ahead {
+  static constexpr int KG = 32;  // positions a group (both paths)
+  const char* run[2 * KG];  // at most KG blocks (block size 1), a K run and a V run each; or 2 a head
+  int64_t len[2 * KG];
+  int n = 0, r = 0;
+  int64_t o = 0;  // bytes of run r asked for
+  void add(const void* p, int64_t bytes) {
+    if (n == 2 * KG) return;  // more runs than a group of blocks has: a hint, so left out
+    run[n] = static_cast<const char*>(p);
+    len[n++] = bytes;
+  }
+  __attribute__((always_inline)) inline void step(int lines = 1) {
+    for (int i = 0; i < lines && r < n; ++i) {
+      _mm_prefetch(run[r] + o, _MM_HINT_T0);
+      if ((o += 64) >= len[r]) ++r, o = 0;
+    }
+  }
+  void rest() {  // whatever the loops did not reach (a D or block size their calls do not cover)
+    while (r < n) step(64);
+  }
+};
+
+// The runs of a decode tile's key group from slot `next` of its blocks (visits) into `ahead`: every
+// head of the task (KV heads h0 .. h0 + width), K and V
+template <typename T>
+inline void plan_ahead(Ahead& ahead, const std::vector<std::pair<int64_t, int64_t>>& visits, int64_t next, const T* kp,
+                       const T* vp, int64_t Hkv, int64_t h0, int64_t width, int64_t bs, int64_t D) {
+  const int64_t head = bs * D;  // elements from one KV head's rows of a block to the next head's
+  if (bs <= Ahead::KG) {  // the group's whole blocks, every head of the task side by side
+    for (int64_t b = next / bs; b < std::min<int64_t>(visits.size(), (next + Ahead::KG) / bs); ++b) {
+      const int64_t off = (visits[b].first * Hkv + h0) * head;
+      ahead.add(kp + off, width * head * int64_t(sizeof(T)));
+      ahead.add(vp + off, width * head * int64_t(sizeof(T)));
+    }
+  } else {  // its KG rows of one block, a head at a time
+    for (int64_t hh = 0; hh < width; ++hh) {
+      const int64_t off = ((visits[next / bs].first * Hkv + h0 + hh) * bs + next % bs) * D;
+      ahead.add(kp + off, Ahead::KG * D * int64_t(sizeof(T)));
+      ahead.add(vp + off, Ahead::KG * D * int64_t(sizeof(T)));
+    }
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // ---- bfloat16 caches on AVX512_BF16: the dot products in bf16 pairs, keys in lanes -------------------
 //
@@ -376,9 +432,10 @@ inline void transpose16(__m512i* r) {
 // one group's key rows k[j] and value rows v[j] (j < n; the rest packed as zero), plus `head` elements
 // -> kp [D/2][32] (pair i of key j at kp[i * 32 + j]) and vp [16][D] (keys 2j, 2j+1 at d: vp[j * D + d])
 inline void pack(const c10::BFloat16* const* k, const c10::BFloat16* const* v, int64_t head, int64_t D, int64_t n,
-                 uint32_t* kp, uint32_t* vp) {
+                 uint32_t* kp, uint32_t* vp, Ahead& ahead) {
   for (int64_t half = 0; half < KG / LANES; ++half)
     for (int64_t c = 0; c < D / 32; ++c) {
+      ahead.step(8);
       __m512i r[16];
       for (int64_t j = 0; j < LANES; ++j) {
         const int64_t key = half * LANES + j;
@@ -416,10 +473,11 @@ U* aligned64(U* p) {  // the first 64-byte boundary at or after p (its buffer ha
 }  // rows a pass takes side by side
 
 template <int R>
-inline void scores(const c10::BFloat16* const* q, const uint32_t* kp, int64_t D, float* s) {
+inline void scores(const c10::BFloat16* const* q, const uint32_t* kp, int64_t D, float* s, Ahead* ahead = nullptr) {
   __m512 s0[R], s1[R];  // keys 0-15 and 16-31
   for (int r = 0; r < R; ++r) s0[r] = _mm512_setzero_ps(), s1[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < D / 2; ++i) {
+    if (ahead) ahead->step(2);
     const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + i * KG), k1 = (__m512bh)_mm512_loadu_si512(kp + i * KG + LANES);
     for (int r = 0; r < R; ++r) {
       const __m512bh qi = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const uint32_t*>(q[r])[i]);
@@ -463,12 +521,14 @@ inline void row_weights(const float* s, float m, float alpha, uint32_t* p, float
 }
 
 template <int R, int CB>
-inline void values(const uint32_t* p, const float* alpha, const uint32_t* vp, int64_t D, float* const* acc) {
+inline void values(const uint32_t* p, const float* alpha, const uint32_t* vp, int64_t D, float* const* acc,
+                   Ahead* ahead = nullptr) {
   for (int64_t c = 0; c < D; c += CB * LANES) {
     __m512 o[R][CB];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < CB; ++b) o[r][b] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + c + b * LANES), _mm512_set1_ps(alpha[r]));
     for (int64_t j = 0; j < KG / 2; ++j) {
+      if (ahead) ahead->step(2);
       __m512bh vv[CB];
       for (int b = 0; b < CB; ++b) vv[b] = (__m512bh)_mm512_loadu_si512(vp + j * D + c + b * LANES);
       for (int r = 0; r < R; ++r) {
@@ -485,28 +545,28 @@ inline void values(const uint32_t* p, const float* alpha, const uint32_t* vp, in
 // tile's few rows, whose passes would otherwise cost more in loops than they overlap (measured)
 template <int R, int CB>
 inline void fold(const int64_t* act, const __mmask32* mask, const c10::BFloat16* const* rows, const uint32_t* kp,
-                 const uint32_t* vp, int64_t D, float scale, float cap, float* m, float* l, float* acc) {
+                 const uint32_t* vp, int64_t D, float scale, float cap, float* m, float* l, float* acc, Ahead* ahead) {
   alignas(64) float s[R * KG], delta[LANES] = {}, alpha[LANES];
   alignas(64) uint32_t p[R * KG / 2];
   const c10::BFloat16* q[R];
   float* a[R];
   for (int r = 0; r < R; ++r) q[r] = rows[act[r]], a[r] = acc + act[r] * D;
-  scores<R>(q, kp, D, s);
+  scores<R>(q, kp, D, s, ahead);
   for (int r = 0; r < R; ++r) row_max(s + r * KG, mask[r], scale, cap, m[act[r]], delta[r]);
   store(alpha, vexp(load(delta)));
   for (int r = 0; r < R; ++r) row_weights(s + r * KG, m[act[r]], alpha[r], p + r * (KG / 2), l + act[r] * LANES);
-  values<R, CB>(p, alpha, vp, D, a);
+  values<R, CB>(p, alpha, vp, D, a, ahead);
 }
 
-using Scores = void (*)(const c10::BFloat16* const*, const uint32_t*, int64_t, float*);
-using Values = void (*)(const uint32_t*, const float*, const uint32_t*, int64_t, float* const*);
+using Scores = void (*)(const c10::BFloat16* const*, const uint32_t*, int64_t, float*, Ahead*);
+using Values = void (*)(const uint32_t*, const float*, const uint32_t*, int64_t, float* const*, Ahead*);
 constexpr Scores SCORES[] = {nullptr, &scores<1>, &scores<2>, &scores<3>, &scores<4>, &scores<5>, &scores<6>};
 // [CB / 2 - 1][R]: D a multiple of 64 takes four vectors of output at a time, else two
 constexpr Values VALUES[2][7] = {
     {nullptr, &values<1, 2>, &values<2, 2>, &values<3, 2>, &values<4, 2>, &values<5, 2>, &values<6, 2>},
     {nullptr, &values<1, 4>, &values<2, 4>, &values<3, 4>, &values<4, 4>, &values<5, 4>, &values<6, 4>}};
 using Fold = void (*)(const int64_t*, const __mmask32*, const c10::BFloat16* const*, const uint32_t*, const uint32_t*,
-                      int64_t, float, float, float*, float*, float*);
+                      int64_t, float, float, float*, float*, float*, Ahead*);
 constexpr Fold FOLDS[2][7] = {
     {nullptr, &fold<1, 2>, &fold<2, 2>, &fold<3, 2>, &fold<4, 2>, &fold<5, 2>, &fold<6, 2>},
     {nullptr, &fold<1, 4>, &fold<2, 4>, &fold<3, 4>, &fold<4, 4>, &fold<5, 4>, &fold<6, 4>}};
@@ -562,23 +622,30 @@ void attend_bdot(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache
       const int64_t n = task / split, h0 = task % split * width;
       start_task(qp, tl, n, Hkv, G, D, h0, width, rows, acc, m, l);
       const auto [first, nkeys] = tile_keys(n, Qt, qpos, start, order, ppos0, pblocks, KT, bs, num_blocks, visits);
+      // A prompt chunk reads its blocks AHEAD positions before their fold. A decode tile reads its first
+      // group so, then asks for each next group's lines from inside the loops that fold the one before
+      // (Ahead, as the AVX2 path below).
       size_t fetched = 0;  // visits whose lines have been read ahead
       for (int64_t k0 = 0; k0 < nkeys; k0 += KG) {
         const int64_t gpos = first + k0, nk = std::min(KG, nkeys - k0);
-        group_keys(visits, fetched, k0 + KG + AHEAD, kp, vp, Hkv, h0, width, bs, D, k0, nk, krow.data(), vrow.data(), sink);
+        if (Qt == 1 && k0 > 0) fetched = visits.size();  // asked for while the group before was folded
+        group_keys(visits, fetched, k0 + KG + (Qt == 1 ? 0 : AHEAD), kp, vp, Hkv, h0, width, bs, D, k0, nk, krow.data(),
+                   vrow.data(), sink);
+        Ahead ahead;
+        if (Qt == 1 && k0 + KG < nkeys) plan_ahead(ahead, visits, k0 + KG, kp, vp, Hkv, h0, width, bs, D);
         for (int64_t hh = 0; hh < width; ++hh) {  // a head at a time: its pack, then its rows' passes
-          bdot::pack(krow.data(), vrow.data(), hh * head, D, nk, kpack.data(), vpack.data());
+          bdot::pack(krow.data(), vrow.data(), hh * head, D, nk, kpack.data(), vpack.data(), ahead);
           const int64_t na = group_rows(qpos + n * Qt, Qt, G, hh * QG, gpos, nk, window, act.data(), amask.data());
           if (na <= bdot::MAX_RB) {  // a decode tile's rows: one fold
             if (na)
               bdot::FOLDS[cb][na](act.data(), amask.data(), rows.data(), kpack.data(), vpack.data(), D, fscale, cap, m.data(),
-                                  l.data(), acc.data());
+                                  l.data(), acc.data(), &ahead);
             continue;
           }
           for (int64_t i = 0; i < na; i += bdot::MAX_RB) {
             const int64_t R = std::min<int64_t>(bdot::MAX_RB, na - i);
             for (int64_t r = 0; r < R; ++r) qrun[r] = rows[act[i + r]];
-            bdot::SCORES[R](qrun.data(), kpack.data(), D, sc + i * KG);
+            bdot::SCORES[R](qrun.data(), kpack.data(), D, sc + i * KG, nullptr);
           }
           for (int64_t i = 0; i < na; ++i) bdot::row_max(sc + i * KG, amask[i], fscale, cap, m[act[i]], delta[i]);
           for (int64_t i = 0; i < na; i += LANES) store(alpha + i, vexp(load(delta.data() + i)));
@@ -587,9 +654,10 @@ void attend_bdot(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache
           for (int64_t i = 0; i < na; i += bdot::MAX_RB) {
             const int64_t R = std::min<int64_t>(bdot::MAX_RB, na - i);
             for (int64_t r = 0; r < R; ++r) arun[r] = acc.data() + act[i + r] * D;
-            bdot::VALUES[cb][R](wts + i * (KG / 2), alpha + i, vpack.data(), D, arun.data());
+            bdot::VALUES[cb][R](wts + i * (KG / 2), alpha + i, vpack.data(), D, arun.data(), nullptr);
           }
         }
+        ahead.rest();
       }
       for (int64_t r = 0; r < width * QG; ++r) {
         if (!tl.write_pad && qpos[n * Qt + r % QG / G] >= PAD_POS) continue;
@@ -626,34 +694,6 @@ constexpr int64_t KG = 32;  // keys per group: four vectors of scores
 constexpr int64_t W = 8;    // floats a vector
 constexpr int MAX_RB = 6;   // rows a pass takes side by side
 
-// A decode tile's next key group, asked for (prefetch) a line or two at a time from inside the loops that
-// fold this group: the loads stream while the folds compute, where reading a whole group's lines before
-// its fold (one burst, then the arithmetic) kept them apart. The runs are the group's K and V rows of
-// each block, every head of the task. On a 2-core Zen 3 (attention alone, 30 layers, alternated, the
-// same bits): batch-64 decode 63.9 -> 53.6 ms a step, batch 256 234.2 -> 190.1. The next group's lines
-// asked for in one burst before each head's pack were slower (0.96-0.99x), and so were those two groups on.
-// Spread as here, two groups on were slower too (batch 256 0.93x), into L2 (T1) level, and a task's
-// first group asked for by the task before it level (docs/speed.md, 2026-12-06).
-struct Ahead {
-  const char* run[2 * KG];  // at most KG blocks (block size 1), a K run and a V run each; or 2 a head
-  int64_t len[2 * KG];
-  int n = 0, r = 0;
-  int64_t o = 0;  // bytes of run r asked for
-  void add(const void* p, int64_t bytes) {
-    if (n == 2 * KG) return;  // more runs than a group of blocks has: a hint, so left out
-    run[n] = static_cast<const char*>(p);
-    len[n++] = bytes;
-  }
-  __attribute__((always_inline)) inline void step(int lines = 1) {
-    for (int i = 0; i < lines && r < n; ++i) {
-      _mm_prefetch(run[r] + o, _MM_HINT_T0);
-      if ((o += 64) >= len[r]) ++r, o = 0;
-    }
-  }
-  void rest() {  // whatever the loops did not reach (a D or block size their calls do not cover)
-    while (r < n) step(64);
-  }
-};
 
 // one group's key rows k[j] + head (j < n; the rest zero, read from `zeros`) -> kp [D][32], transposed
 // 8 x 8 at a time (the 128-bit halves' swap done by the loads)
@@ -850,22 +890,7 @@ void attend_lanes8(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cac
         if (Qt == 1 && k0 > 0) fetched = visits.size();  // asked for while the group before was folded
         group_keys(visits, fetched, k0 + KG, kp, vp, Hkv, h0, width, bs, D, k0, nk, krow.data(), vrow.data(), sink);
         Ahead ahead;
-        if (Qt == 1 && k0 + KG < nkeys) {
-          const int64_t next = k0 + KG;
-          if (bs <= KG) {  // the next group's whole blocks, every head of the task side by side
-            for (int64_t b = next / bs; b < std::min<int64_t>(visits.size(), (next + KG) / bs); ++b) {
-              const int64_t off = (visits[b].first * Hkv + h0) * head;
-              ahead.add(kp + off, width * head * int64_t(sizeof(float)));
-              ahead.add(vp + off, width * head * int64_t(sizeof(float)));
-            }
-          } else {  // its KG rows of one block, a head at a time
-            for (int64_t hh = 0; hh < width; ++hh) {
-              const int64_t off = ((visits[next / bs].first * Hkv + h0 + hh) * bs + next % bs) * D;
-              ahead.add(kp + off, KG * D * int64_t(sizeof(float)));
-              ahead.add(vp + off, KG * D * int64_t(sizeof(float)));
-            }
-          }
-        }
+        if (Qt == 1 && k0 + KG < nkeys) plan_ahead(ahead, visits, k0 + KG, kp, vp, Hkv, h0, width, bs, D);
         for (int64_t hh = 0; hh < width; ++hh) {  // a head at a time: its pack, then its rows' passes
           pack_keys(krow.data(), hh * head, D, nk, zeros.data(), kpack.data(), ahead);
           const int64_t na = group_rows(qpos + n * Qt, Qt, G, hh * QG, gpos, nk, window, act.data(), amask.data());
