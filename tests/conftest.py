@@ -11,14 +11,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batchgen import kernels
 from batchgen.config import batchgen_home
 
 REPO = Path(__file__).resolve().parent.parent
 TEST_DATA = Path(__file__).resolve().parent / "data"  # in the repo, with its licence (data/README.md)
-# Inductor's compile cache: the machine's, shared by every test as a user's runs share it (the engine sets
-# it on its first compile, and would otherwise pick the tmp BATCHGEN_HOME of whichever test ran first)
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(batchgen_home() / "inductor"))
-# the same for the float32 gemv kernel built on this machine (batchgen.model.gemv)
+# Inductor's compile cache: the machine's (one per build of batchgen's kernels), shared by every test as a
+# user's runs share it (the engine sets it on its first compile, and would otherwise pick the tmp
+# BATCHGEN_HOME of whichever test ran first)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(kernels.compile_cache_dir()))
+# the same for the C++ kernels built on this machine (batchgen.kernels)
 os.environ.setdefault("BATCHGEN_KERNEL_DIR", str(batchgen_home() / "kernels"))
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 

@@ -120,6 +120,48 @@ def test_a_tokens_attention_is_the_same_in_a_decode_step_a_prompt_chunk_and_a_ve
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+def test_bfloat16_on_amx_tiles_and_on_dot_products(op):
+    """bfloat16 caches on a CPU with AMX take tiles for both products, for every row (amx=1, the
+    default); amx=0 keeps VDPBF16PS. Each path, against the PyTorch path in float32 on the same values:
+    within bfloat16's rounding; and each keeps a token's bits the same as a decode row, in a prompt
+    chunk and in a verify tile. (On a CPU without AMX both calls run VDPBF16PS.)"""
+    isa = torch.ops.batchgen_attention.bf16_isa()
+    assert isa in ("amx", "avx512-bf16", "vector")
+    gen = torch.Generator().manual_seed(11)
+    k = torch.randn(BLOCKS, HKV, 16, D, generator=gen).bfloat16()
+    v = torch.randn(BLOCKS, HKV, 16, D, generator=gen).bfloat16()
+    row = torch.randn(1, HKV, G, D, generator=gen).bfloat16()
+    table = torch.randperm(BLOCKS, generator=gen)[:13].tolist()  # positions 0..207
+    results = {}
+    for amx in (1, 0):
+        for case, (chunks, width, keys) in CASES.items():
+            g, T = plan(chunks, width, keys, bs=16)
+            qt = tensors(T, torch.bfloat16, bs=16)[0][g.token_idx]
+            got = op(qt, k, v, g.q_pos, g.pair_tile, g.pair_blocks, g.pair_pos0, D ** -0.5, 0, 0.0, amx)
+            ref = _tile_attention(qt.float(), g, k.float(), v.float(), D ** -0.5)
+            if g.valid is not None:
+                got, ref = got[g.valid], ref[g.valid]
+            assert (got.float() - ref).abs().max().item() < 2e-2, (amx, case)
+            results[amx, case] = got
+        outs = []
+        for width, keys, start, n in [(1, DECODE_KEYS, 200, 1), (PREFILL_TILE, PREFILL_KEYS, 150, 51),
+                                      (4, DECODE_KEYS, 198, 4)]:
+            b = _TileBuilder(width)
+            b.add(SimpleNamespace(start=n, num_tokens=30), 0, table[:3], 16, max(1, keys // 16))
+            b.add(SimpleNamespace(start=start, num_tokens=n), 30, table, 16, max(1, keys // 16))
+            g = b.group({"dtype": torch.long, "device": "cpu"})
+            q = torch.randn(30 + n, HKV, G, D, generator=gen).bfloat16()
+            at = 30 + (200 - start)
+            q[at] = row[0]
+            out = op(q[g.token_idx], k, v, g.q_pos, g.pair_tile, g.pair_blocks, g.pair_pos0, 0.125, 0, 0.0, amx)
+            outs.append(out[(g.token_idx == at) & (g.valid if g.valid is not None else True)][0])
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), amx
+    if isa == "amx":  # two instruction sets: close, but not rounded alike
+        assert any(not torch.equal(results[1, c], results[0, c]) for c in CASES)
+        for c in CASES:
+            torch.testing.assert_close(results[1, c].float(), results[0, c].float(), atol=2e-2, rtol=2e-2)
+
+
 def test_bfloat16_reads_no_slot_past_the_tiles_last_position(op):
     """The pair path packs whole groups of 32 positions: the slots past the last query's position (here
     the rest of a block whose tail holds NaN, and the pair's unused blocks) must be neither read

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from batchgen.config import SamplingParams
 from batchgen import kernels
@@ -122,6 +123,9 @@ def test_bfloat16_rows_do_not_depend_on_the_batch_compiled_or_not(real_model_dir
     assert_invariant(outs)
     assert all(c["batch_invariant"].startswith("on: bfloat16 on bgemm") for c in conds.values()), conds
     assert all("fixed-order RMSNorm and RoPE" in c["batch_invariant"] for c in conds.values())
+    # attention's bf16 instructions are named: AMX and VDPBF16PS round apart
+    isa = torch.ops.batchgen_attention.bf16_isa()
+    assert all(f"C++ paged attention ({isa})" in c["batch_invariant"] for c in conds.values()), conds
     assert all(c["weight_layout"].startswith("bgemm-tiled") for c in conds.values())
     assert all("per bucket" in c["compile"] for n, c in conds.items() if n != "alone, eager")
     # `--dtype auto` with speculation keeps bf16 where it is the machine's invariant choice

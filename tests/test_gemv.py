@@ -114,6 +114,18 @@ def test_the_kernel_is_built_once_and_loaded_from_the_machine_cache():
     assert gemv.load() == WIDTH  # loaded once per process: no second build
 
 
+def test_compiled_steps_are_cached_per_build_of_the_kernels(monkeypatch):
+    """Inductor's on-disk cache is one folder per build of batchgen's kernels: a compiled step calls the
+    ops by their schemas, and one cached before an op's arguments changed crashed the process (a
+    segmentation fault) when it called the new build."""
+    before = kernels.compile_cache_dir()
+    assert before.parent == kernels.batchgen_home() / "inductor" and before == kernels.compile_cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(before)  # the tests' own cache (conftest) is the same
+    real = kernels.source_text
+    monkeypatch.setattr(kernels, "source_text", lambda n: real(n) + ("// changed" if n == "attention" else ""))
+    assert kernels.compile_cache_dir() != before
+
+
 @needs_kernel
 def test_a_fresh_machine_builds_its_kernels_once(tmp_path):
     """`batchgen kernels build` (what set-up runs) from the sources, in a process of its own (one

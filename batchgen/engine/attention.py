@@ -81,6 +81,12 @@ class CpuPagedAttention(TorchPagedAttention):
         if why is not None:
             raise RuntimeError(f"batchgen's attention kernel is unavailable here ({why})")
 
+    @staticmethod
+    def bf16_isa() -> str:
+        """What a bfloat16 cache runs on here: "amx" (tiles), "avx512-bf16" (VDPBF16PS) or "vector";
+        AMX and VDPBF16PS round apart, so a run's conditions name it."""
+        return str(torch.ops.batchgen_attention.bf16_isa())
+
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         # one call for every group: the kernel reads each tile's queries where they are in q and writes

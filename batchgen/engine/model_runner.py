@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from batchgen import kernels
 from batchgen.config import DTYPE_BYTES, EngineConfig, batchgen_home
 from batchgen.engine.attention import CpuPagedAttention, TorchPagedAttention, select_backend
 from batchgen.engine.attention_metadata import DECODE_KEYS, FAR, PREFILL_KEYS, PREFILL_TILE, AttentionMetadata, TileGroup
@@ -73,7 +74,7 @@ class ModelRunner:
         self.constraints = constraints
         self.num_computed_positions = 0  # positions run through the model (the lab's count)
         if config.compile != "off":  # Inductor's on-disk cache beside the probe's: a machine compiles once
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(batchgen_home() / "inductor"))
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(kernels.compile_cache_dir()))  # per kernel build
         # decode-only steps in static buckets (graphs, compiled), or None
         # batch-invariant: the compiled step rounds where the eager one does (a decode row runs compiled in a
         # decode-only step and eager beside a prompt chunk, which depends on the other rows)
@@ -230,10 +231,11 @@ class ModelRunner:
                     f"(batchgen's rmsnorm kernel: {rmsnorm.load()})")
         if self.model.base_rope is not rope.apply_rope:
             return f"off: torch's RoPE in place of batchgen's rope kernel, which both steps call ({rope.load()})"
-        kernels = ("GGUF blocks on qgemv" if self.quantization == "gguf" else
+        matmuls = ("GGUF blocks on qgemv" if self.quantization == "gguf" else
                    f"{self.dtype} on {'bgemm' if self.dtype == 'bfloat16' else 'gemv'}")
         act = ", one-pass SwiGLU" if self.model.base_act is activation.silu_mul else ""
-        return f"on: {kernels}, C++ paged attention, fixed-order RMSNorm and RoPE{act}, counter-hash sampling"
+        att = f" ({self.attention.bf16_isa()})" if self.dtype == "bfloat16" and self.attention is not None else ""
+        return f"on: {matmuls}, C++ paged attention{att}, fixed-order RMSNorm and RoPE{act}, counter-hash sampling"
 
     def _quantization(self) -> str | None:
         if self.quantization == "int4":

@@ -105,6 +105,13 @@ def builds(*names: str) -> str:
     return hashlib.sha256(" ".join(library_path(n, compiler).name for n in names).encode()).hexdigest()[:8]
 
 
+def compile_cache_dir() -> Path:
+    """Inductor's on-disk cache for compiled steps, one per build of these kernels: a compiled step calls
+    them by their schemas, and a step cached before an op's arguments changed crashed the process when it
+    called the new build."""
+    return batchgen_home() / "inductor" / f"kernels-{builds(*NAMES)}"
+
+
 def load(name: str) -> str | None:
     """Load kernel `name`'s library into this process (its ops appear under torch.ops), building it
     first where this machine has none. None once loaded; else, why it cannot be used here.

@@ -20,6 +20,10 @@
 // with AMX, 37.6 -> 31.1 ms a step at batch 64 and 141.7 -> 115.4 at 256, the same bits (the Zen 4 not
 // measured again).
 //
+// On a CPU with AMX (Sapphire Rapids and later), the bf16 path's two products run on tiles instead, for
+// every row (bdot::amx_scores, amx_values): a 4,096-token prefill step's attention (30 layers) 322.7 ->
+// 136.5 ms on a 2-core Xeon, batch-64 decode 32.0 -> 32.9 ms (the same groups, packs and softmax).
+//
 // float32 caches on AVX2 (without AVX-512) take the same keys-in-lanes plan in 8-float vectors
 // (attend_lanes8): groups of 32 positions, keys transposed once per task and head, so a score is D
 // multiply-adds in dim order with no horizontal sums, values read in place. On a 2-core Zen 3 a
@@ -49,6 +53,8 @@
 #include <atomic>
 #if defined(__x86_64__)
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 #include <cstring>
 #include <type_traits>
@@ -571,6 +577,66 @@ constexpr Fold FOLDS[2][7] = {
     {nullptr, &fold<1, 2>, &fold<2, 2>, &fold<3, 2>, &fold<4, 2>, &fold<5, 2>, &fold<6, 2>},
     {nullptr, &fold<1, 4>, &fold<2, 4>, &fold<3, 4>, &fold<4, 4>, &fold<5, 4>, &fold<6, 4>}};
 
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// ---- AMX tiles (Sapphire Rapids and later): the same groups, the same pack, the two products on tiles ----
+//
+// A task's query rows are copied once into one buffer, so that 16 rows of a KV head are one tile (a
+// group's active rows are consecutive rows of it: tokens in position order, then query heads). The
+// scores of 16 rows x 16 keys are one float32 tile, D / 32 TDPBF16PS over the packed keys (pairs of
+// dims in VNNI order: the pack above); the weights, rounded to bf16 as above, times the packed values
+// (pairs of keys) are one TDPBF16PS per 16 dims into a fresh tile, then acc = acc * alpha + that, in
+// one rounding. A row's result depends only on its own query, keys and values (a tile's rows do not
+// meet), and every row, a decode tile's few or a prompt chunk's many, runs the same instructions; AMX
+// does not round as VDPBF16PS does, so a machine takes one path for every row (`attention_isa`).
+// Tiles: 0, 1 scores (keys 0-15, 16-31) or the values' output; 4 the queries or weights; 6, 7 keys or values.
+inline bool amx_usable() {  // Linux hands a process the AMX state only when asked (XFEATURE_XTILEDATA)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+  return ok;
+}
+
+inline void amx_configure() {
+  struct {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } c;
+  for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = 16;
+  _tile_loadconfig(&c);
+}
+
+// 16 query rows (bf16, row stride ldq elements) against the packed keys kp [D/2][32] -> s [16][32]
+inline void amx_scores(const c10::BFloat16* q, int64_t ldq, const uint32_t* kp, int64_t D, float* s) {
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t kb = 0; kb < D / 32; ++kb) {
+    _tile_loadd(4, q + kb * 32, ldq * 2);
+    _tile_loadd(6, kp + kb * 16 * KG, KG * 4);
+    _tile_loadd(7, kp + kb * 16 * KG + LANES, KG * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  _tile_stored(0, s, KG * 4);
+  _tile_stored(1, s + LANES, KG * 4);
+}
+
+// 16 rows' weights p [16][16] (bf16 pairs) times the packed values vp [16][D] -> pv [16][D]
+inline void amx_values(const uint32_t* p, const uint32_t* vp, int64_t D, float* pv) {
+  _tile_loadd(4, p, 64);
+  for (int64_t c = 0; c < D; c += LANES) {
+    _tile_zero(0);
+    _tile_loadd(6, vp + c, D * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_stored(0, pv + c, D * 4);
+  }
+}
+
+// a row's output: acc = acc * alpha + pv
+inline void amx_merge(float* acc, float alpha, const float* pv, int64_t D) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  for (int64_t d = 0; d < D; d += LANES) _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d), a, _mm512_loadu_ps(pv + d)));
+}
+#endif
 }  // namespace bdot
 
 // the bf16-pair path applies: bfloat16, groups of 32 positions made of whole blocks or within one
@@ -580,7 +646,7 @@ inline bool bdot_fits(int64_t bs, int64_t D) { return (bs % bdot::KG == 0 || bdo
 void attend_bdot(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_pos,
                  const at::Tensor& pair_tile, const at::Tensor& pair_blocks, const at::Tensor& pair_pos0,
                  const std::vector<int64_t>& start, const std::vector<int64_t>& order, double scale, int64_t window,
-                 double softcap, at::Tensor& out) {
+                 double softcap, at::Tensor& out, bool use_amx) {
   using T = c10::BFloat16;
   constexpr int64_t KG = bdot::KG, LANES = bdot::LANES;
   const int64_t N = tl.N, Qt = tl.Qt, Hkv = q.size(1), G = q.size(2), D = q.size(3);
@@ -601,6 +667,11 @@ void attend_bdot(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache
   // threads, a tile with all its KV heads (a block's heads lie side by side: one stream of memory).
   const int64_t split = Qt == 1 && N >= 4 * at::get_num_threads() ? 1 : Hkv, width = Hkv / split;
   const int64_t head = bs * D;  // elements from one KV head's rows of a block to the next head's
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  const bool amx = use_amx && bdot::amx_usable();
+#else
+  const bool amx = false;
+#endif
   run_tasks(N * split, [&](auto next) {
     const int64_t rows_n = width * QG, packed = KG * D / 2;
     std::vector<float> acc(rows_n * D), m(rows_n), l(rows_n * LANES);
@@ -609,8 +680,8 @@ void attend_bdot(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache
     // the group's active rows: their index, mask, scores, max change, alpha (padded for vector exps) and weights
     std::vector<int64_t> act(rows_n);
     std::vector<uint32_t> amask(rows_n);  // a __mmask32 each
-    std::vector<float> sc_buf(rows_n * KG + LANES), delta(rows_n + LANES), alpha_buf(rows_n + 2 * LANES);
-    std::vector<uint32_t> wts_buf(rows_n * KG / 2 + LANES);
+    std::vector<float> sc_buf((rows_n + 16) * KG + LANES), delta(rows_n + LANES), alpha_buf(rows_n + 2 * LANES);
+    std::vector<uint32_t> wts_buf((rows_n + 16) * KG / 2 + LANES);  // 16 spare rows: a tile reads 16
     float* const sc = bdot::aligned64(sc_buf.data());  // the passes' vectors, on whole lines
     float* const alpha = bdot::aligned64(alpha_buf.data());
     uint32_t* const wts = bdot::aligned64(wts_buf.data());
@@ -618,9 +689,19 @@ void attend_bdot(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache
     std::vector<std::pair<int64_t, int64_t>> visits;  // the blocks the tile reads, in position order
     int sink = 0;  // the read-ahead words, unused
     const int cb = D % 64 == 0;
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    // the AMX route's buffers: the task's query rows (16 spare), the values' tile output
+    std::vector<T> qbuf(amx ? (rows_n + 16) * D : 0), qstage(amx ? (rows_n + 16) * D : 0);
+    std::vector<float> pv(amx ? 16 * D : 0);
+    if (amx) bdot::amx_configure();
+#endif
     for (int64_t task; (task = next()) >= 0;) {
       const int64_t n = task / split, h0 = task % split * width;
       start_task(qp, tl, n, Hkv, G, D, h0, width, rows, acc, m, l);
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+      if (amx)
+        for (int64_t r = 0; r < rows_n; ++r) std::memcpy(qbuf.data() + r * D, rows[r], D * sizeof(T));
+#endif
       const auto [first, nkeys] = tile_keys(n, Qt, qpos, start, order, ppos0, pblocks, KT, bs, num_blocks, visits);
       // A prompt chunk reads its blocks AHEAD positions before their fold. A decode tile reads its first
       // group so, then asks for each next group's lines from inside the loops that fold the one before
@@ -636,6 +717,29 @@ void attend_bdot(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache
         for (int64_t hh = 0; hh < width; ++hh) {  // a head at a time: its pack, then its rows' passes
           bdot::pack(krow.data(), vrow.data(), hh * head, D, nk, kpack.data(), vpack.data(), ahead);
           const int64_t na = group_rows(qpos + n * Qt, Qt, G, hh * QG, gpos, nk, window, act.data(), amask.data());
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+          if (amx) {
+            if (!na) continue;
+            const T* qa = qbuf.data() + act[0] * D;  // the rows, consecutive (else gathered: the same values)
+            if (act[na - 1] - act[0] != na - 1) {
+              for (int64_t i = 0; i < na; ++i) std::memcpy(qstage.data() + i * D, qbuf.data() + act[i] * D, D * sizeof(T));
+              qa = qstage.data();
+            }
+            for (int64_t i = 0; i < na; i += 16) bdot::amx_scores(qa + i * D, D, kpack.data(), D, sc + i * KG);
+            ahead.step(48);
+            for (int64_t i = 0; i < na; ++i) bdot::row_max(sc + i * KG, amask[i], fscale, cap, m[act[i]], delta[i]);
+            for (int64_t i = 0; i < na; i += LANES) store(alpha + i, vexp(load(delta.data() + i)));
+            for (int64_t i = 0; i < na; ++i)
+              bdot::row_weights(sc + i * KG, m[act[i]], alpha[i], wts + i * (KG / 2), &l[act[i] * LANES]);
+            for (int64_t i = 0; i < na; i += 16) {
+              bdot::amx_values(wts + i * (KG / 2), vpack.data(), D, pv.data());
+              for (int64_t r = 0; r < std::min<int64_t>(16, na - i); ++r)
+                bdot::amx_merge(acc.data() + act[i + r] * D, alpha[i + r], pv.data() + r * D, D);
+            }
+            ahead.step(48);
+            continue;
+          }
+#endif
           if (na <= bdot::MAX_RB) {  // a decode tile's rows: one fold
             if (na)
               bdot::FOLDS[cb][na](act.data(), amask.data(), rows.data(), kpack.data(), vpack.data(), D, fscale, cap, m.data(),
@@ -670,6 +774,9 @@ void attend_bdot(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache
         }
       }
     }
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (amx) _tile_release();
+#endif
   });
 }
 #endif
@@ -935,7 +1042,7 @@ void attend_lanes8(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cac
 template <typename T>
 void attend(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_pos,
             const at::Tensor& pair_tile, const at::Tensor& pair_blocks, const at::Tensor& pair_pos0, double scale,
-            int64_t window, double softcap, at::Tensor& out) {
+            int64_t window, double softcap, at::Tensor& out, bool use_amx) {
   const int64_t N = tl.N, Qt = tl.Qt, Hkv = q.size(1), G = q.size(2), D = q.size(3);
   const int64_t bs = k_cache.size(2), P = pair_tile.size(0), KT = pair_blocks.size(1);
   const int64_t QG = Qt * G;
@@ -967,7 +1074,7 @@ void attend(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache, con
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (bdot_fits(bs, D)) {
       attend_bdot(q, tl, k_cache, v_cache, q_pos, pair_tile, pair_blocks, pair_pos0, start, order, scale, window,
-                  softcap, out);
+                  softcap, out, use_amx);
       return;
     }
   }
@@ -1076,16 +1183,16 @@ void check(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_c
 void attend_group(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tok,
                   const at::Tensor& q_pos, const at::Tensor& pair_tile, const at::Tensor& pair_blocks,
                   const at::Tensor& pair_pos0, double scale, int64_t window, double softcap, bool write_pad,
-                  at::Tensor& out) {
+                  at::Tensor& out, bool use_amx) {
   check(q, k_cache, v_cache, tok, q_pos, pair_tile, pair_blocks, pair_pos0);
   auto kc = k_cache.contiguous(), vc = v_cache.contiguous();
   auto tk = tok.contiguous(), pos = q_pos.contiguous(), pt = pair_tile.contiguous(), pb = pair_blocks.contiguous(),
        p0 = pair_pos0.contiguous();
   const Tiles tl{tk.size(0), tk.size(1), tk.data_ptr<int64_t>(), write_pad};
   switch (q.scalar_type()) {
-    case at::kFloat: attend<float>(q, tl, kc, vc, pos, pt, pb, p0, scale, window, softcap, out); break;
-    case at::kBFloat16: attend<c10::BFloat16>(q, tl, kc, vc, pos, pt, pb, p0, scale, window, softcap, out); break;
-    case at::kHalf: attend<c10::Half>(q, tl, kc, vc, pos, pt, pb, p0, scale, window, softcap, out); break;
+    case at::kFloat: attend<float>(q, tl, kc, vc, pos, pt, pb, p0, scale, window, softcap, out, use_amx); break;
+    case at::kBFloat16: attend<c10::BFloat16>(q, tl, kc, vc, pos, pt, pb, p0, scale, window, softcap, out, use_amx); break;
+    case at::kHalf: attend<c10::Half>(q, tl, kc, vc, pos, pt, pb, p0, scale, window, softcap, out, use_amx); break;
     default: TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16, got ", q.scalar_type());
   }
 }
@@ -1093,14 +1200,15 @@ void attend_group(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 // q [N, Qt, Hkv, G, D], its tiles' queries in place -> [N, Qt, Hkv, G, D] (padding rows: 0)
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& q_pos, const at::Tensor& pair_tile, const at::Tensor& pair_blocks,
-                           const at::Tensor& pair_pos0, double scale, int64_t window, double softcap) {
+                           const at::Tensor& pair_pos0, double scale, int64_t window, double softcap, int64_t amx) {
   TORCH_CHECK(q.dim() == 5, "q must be [N, Qt, Hkv, G, D]");
   TORCH_CHECK(q_pos.dim() == 2 && q_pos.size(0) == q.size(0) && q_pos.size(1) == q.size(1), "q_pos must be [N, Qt]");
   auto qc = q.contiguous();
   auto q4 = qc.view({q.size(0) * q.size(1), q.size(2), q.size(3), q.size(4)});
   auto out = at::empty_like(q4);
   const auto tok = at::arange(q4.size(0), q_pos.options().dtype(at::kLong)).view({q.size(0), q.size(1)});
-  attend_group(q4, k_cache, v_cache, tok, q_pos, pair_tile, pair_blocks, pair_pos0, scale, window, softcap, true, out);
+  attend_group(q4, k_cache, v_cache, tok, q_pos, pair_tile, pair_blocks, pair_pos0, scale, window, softcap, true, out,
+               amx != 0);
   return out.view(q.sizes());
 }
 
@@ -1112,7 +1220,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 at::Tensor paged_step(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       at::TensorList token_idx, at::TensorList q_pos, at::TensorList pair_tile,
                       at::TensorList pair_blocks, at::TensorList pair_pos0, double scale, int64_t window,
-                      double softcap) {
+                      double softcap, int64_t amx) {
   const size_t n = token_idx.size();
   TORCH_CHECK(q_pos.size() == n && pair_tile.size() == n && pair_blocks.size() == n && pair_pos0.size() == n,
               "one token_idx, q_pos, pair_tile, pair_blocks and pair_pos0 per group");
@@ -1128,21 +1236,34 @@ at::Tensor paged_step(const at::Tensor& q, const at::Tensor& k_cache, const at::
   if (written != qc.size(0)) out.zero_();
   for (size_t i = 0; i < n; ++i)
     attend_group(qc, k_cache, v_cache, token_idx[i], q_pos[i], pair_tile[i], pair_blocks[i], pair_pos0[i], scale, window,
-                 softcap, false, out);
+                 softcap, false, out, amx != 0);
   return out;
+}
+
+// what bfloat16 caches run on here: "amx" (tiles), "avx512-bf16" (VDPBF16PS) or "vector" (float32
+// folds); AMX and VDPBF16PS round apart, so a run's conditions name it
+std::string bf16_isa() {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  if (bdot::amx_usable()) return "amx";
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return "avx512-bf16";
+#else
+  return "vector";
+#endif
 }
 
 // the shapes only, for tracing (torch.compile's fake tensors run the Meta kernel)
 at::Tensor paged_attention_meta(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& q_pos, const at::Tensor& pair_tile, const at::Tensor& pair_blocks,
-                                const at::Tensor& pair_pos0, double scale, int64_t window, double softcap) {
+                                const at::Tensor& pair_pos0, double scale, int64_t window, double softcap, int64_t amx) {
   return at::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
 }
 
 at::Tensor paged_step_meta(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            at::TensorList token_idx, at::TensorList q_pos, at::TensorList pair_tile,
                            at::TensorList pair_blocks, at::TensorList pair_pos0, double scale, int64_t window,
-                           double softcap) {
+                           double softcap, int64_t amx) {
   return at::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
 }
 
@@ -1150,9 +1271,11 @@ at::Tensor paged_step_meta(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY(batchgen_attention, m) {
   m.def("paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_pos, Tensor pair_tile, Tensor pair_blocks, "
-        "Tensor pair_pos0, float scale, int window, float softcap) -> Tensor");
+        "Tensor pair_pos0, float scale, int window, float softcap, int amx=1) -> Tensor");
   m.def("paged_step(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] token_idx, Tensor[] q_pos, "
-        "Tensor[] pair_tile, Tensor[] pair_blocks, Tensor[] pair_pos0, float scale, int window, float softcap) -> Tensor");
+        "Tensor[] pair_tile, Tensor[] pair_blocks, Tensor[] pair_pos0, float scale, int window, float softcap, "
+        "int amx=1) -> Tensor");
+  m.def("bf16_isa() -> str", &bf16_isa);  // no tensor to dispatch on: one kernel for every backend
 }
 TORCH_LIBRARY_IMPL(batchgen_attention, CPU, m) {
   m.impl("paged", &paged_attention);

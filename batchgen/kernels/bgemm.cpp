@@ -40,7 +40,7 @@
 
 #if !defined(__AVX512BF16__)
 #error "batchgen bgemm needs bf16 dot-product instructions (AVX512_BF16 or AMX); this CPU has neither"
-#endif
+#else  // the rest of the file: only the line above where the build must fail
 
 constexpr int64_t TN = 16;    // columns of a B tile
 constexpr int64_t TK = 32;    // K of a tile
@@ -317,3 +317,4 @@ TORCH_LIBRARY_IMPL(batchgen_bgemm, CPU, m) {
   m.impl("bgemm_swiglu", &bgemm_swiglu);
   m.impl("bgemm_add", &bgemm_add);
 }
+#endif  // __AVX512BF16__
