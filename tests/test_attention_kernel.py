@@ -121,11 +121,12 @@ def test_a_tokens_attention_is_the_same_in_a_decode_step_a_prompt_chunk_and_a_ve
 
 
 def test_bfloat16_on_amx_tiles_and_on_dot_products(op):
-    """bfloat16 caches on a CPU with AMX take tiles for both products, for every row (amx=1, the
-    default); amx=0 keeps VDPBF16PS. Each path, against the PyTorch path in float32 on the same values:
-    within bfloat16's rounding; and each keeps a token's bits the same as a decode row, in a prompt
-    chunk and in a verify tile. (On a CPU without AMX both calls run VDPBF16PS.)"""
-    isa = torch.ops.batchgen_attention.bf16_isa()
+    """bfloat16 caches on a CPU with AMX take tiles for both products, for every row (`paged` and the
+    engine's `paged_step`; `paged_on` with amx=1); amx=0 keeps VDPBF16PS. Each path, against the
+    PyTorch path in float32 on the same values: within bfloat16's rounding; and each keeps a token's
+    bits the same as a decode row, in a prompt chunk and in a verify tile. (On a CPU without AMX both
+    calls run VDPBF16PS.)"""
+    isa, on = torch.ops.batchgen_attention.bf16_isa(), torch.ops.batchgen_attention.paged_on
     assert isa in ("amx", "avx512-bf16", "vector")
     gen = torch.Generator().manual_seed(11)
     k = torch.randn(BLOCKS, HKV, 16, D, generator=gen).bfloat16()
@@ -137,12 +138,15 @@ def test_bfloat16_on_amx_tiles_and_on_dot_products(op):
         for case, (chunks, width, keys) in CASES.items():
             g, T = plan(chunks, width, keys, bs=16)
             qt = tensors(T, torch.bfloat16, bs=16)[0][g.token_idx]
-            got = op(qt, k, v, g.q_pos, g.pair_tile, g.pair_blocks, g.pair_pos0, D ** -0.5, 0, 0.0, amx)
+            got = on(qt, k, v, g.q_pos, g.pair_tile, g.pair_blocks, g.pair_pos0, D ** -0.5, 0, 0.0, amx)
             ref = _tile_attention(qt.float(), g, k.float(), v.float(), D ** -0.5)
             if g.valid is not None:
                 got, ref = got[g.valid], ref[g.valid]
             assert (got.float() - ref).abs().max().item() < 2e-2, (amx, case)
             results[amx, case] = got
+            if amx:  # the default op is this path
+                plain = op(qt, k, v, g.q_pos, g.pair_tile, g.pair_blocks, g.pair_pos0, D ** -0.5, 0, 0.0)
+                assert torch.equal(plain[g.valid] if g.valid is not None else plain, got)
         outs = []
         for width, keys, start, n in [(1, DECODE_KEYS, 200, 1), (PREFILL_TILE, PREFILL_KEYS, 150, 51),
                                       (4, DECODE_KEYS, 198, 4)]:
@@ -153,7 +157,7 @@ def test_bfloat16_on_amx_tiles_and_on_dot_products(op):
             q = torch.randn(30 + n, HKV, G, D, generator=gen).bfloat16()
             at = 30 + (200 - start)
             q[at] = row[0]
-            out = op(q[g.token_idx], k, v, g.q_pos, g.pair_tile, g.pair_blocks, g.pair_pos0, 0.125, 0, 0.0, amx)
+            out = on(q[g.token_idx], k, v, g.q_pos, g.pair_tile, g.pair_blocks, g.pair_pos0, 0.125, 0, 0.0, amx)
             outs.append(out[(g.token_idx == at) & (g.valid if g.valid is not None else True)][0])
         assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), amx
     if isa == "amx":  # two instruction sets: close, but not rounded alike

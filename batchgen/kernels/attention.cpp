@@ -1198,9 +1198,9 @@ void attend_group(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 }
 
 // q [N, Qt, Hkv, G, D], its tiles' queries in place -> [N, Qt, Hkv, G, D] (padding rows: 0)
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& q_pos, const at::Tensor& pair_tile, const at::Tensor& pair_blocks,
-                           const at::Tensor& pair_pos0, double scale, int64_t window, double softcap, int64_t amx) {
+at::Tensor paged_attention_on(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& q_pos, const at::Tensor& pair_tile, const at::Tensor& pair_blocks,
+                              const at::Tensor& pair_pos0, double scale, int64_t window, double softcap, int64_t amx) {
   TORCH_CHECK(q.dim() == 5, "q must be [N, Qt, Hkv, G, D]");
   TORCH_CHECK(q_pos.dim() == 2 && q_pos.size(0) == q.size(0) && q_pos.size(1) == q.size(1), "q_pos must be [N, Qt]");
   auto qc = q.contiguous();
@@ -1212,6 +1212,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out.view(q.sizes());
 }
 
+// AMX where usable (paged_on with amx 0 keeps VDPBF16PS on such a CPU, for tests; the engine's ops keep
+// their schemas, which a compiled step cached on disk calls by)
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& q_pos, const at::Tensor& pair_tile, const at::Tensor& pair_blocks,
+                           const at::Tensor& pair_pos0, double scale, int64_t window, double softcap) {
+  return paged_attention_on(q, k_cache, v_cache, q_pos, pair_tile, pair_blocks, pair_pos0, scale, window, softcap, 1);
+}
+
 // The engine's step: q [T, Hkv, G, D] for every token of the step, and its tile groups (decode, prompt
 // chunks, verify: each a token_idx [N, Qt] into the T tokens, with its positions and pairs) ->
 // [T, Hkv, G, D], each token's output where its query is. No gathered copy of the queries, no scatter
@@ -1220,7 +1228,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 at::Tensor paged_step(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       at::TensorList token_idx, at::TensorList q_pos, at::TensorList pair_tile,
                       at::TensorList pair_blocks, at::TensorList pair_pos0, double scale, int64_t window,
-                      double softcap, int64_t amx) {
+                      double softcap) {
   const size_t n = token_idx.size();
   TORCH_CHECK(q_pos.size() == n && pair_tile.size() == n && pair_blocks.size() == n && pair_pos0.size() == n,
               "one token_idx, q_pos, pair_tile, pair_blocks and pair_pos0 per group");
@@ -1236,7 +1244,7 @@ at::Tensor paged_step(const at::Tensor& q, const at::Tensor& k_cache, const at::
   if (written != qc.size(0)) out.zero_();
   for (size_t i = 0; i < n; ++i)
     attend_group(qc, k_cache, v_cache, token_idx[i], q_pos[i], pair_tile[i], pair_blocks[i], pair_pos0[i], scale, window,
-                 softcap, false, out, amx != 0);
+                 softcap, false, out, true);
   return out;
 }
 
@@ -1256,14 +1264,14 @@ std::string bf16_isa() {
 // the shapes only, for tracing (torch.compile's fake tensors run the Meta kernel)
 at::Tensor paged_attention_meta(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& q_pos, const at::Tensor& pair_tile, const at::Tensor& pair_blocks,
-                                const at::Tensor& pair_pos0, double scale, int64_t window, double softcap, int64_t amx) {
+                                const at::Tensor& pair_pos0, double scale, int64_t window, double softcap) {
   return at::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
 }
 
 at::Tensor paged_step_meta(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            at::TensorList token_idx, at::TensorList q_pos, at::TensorList pair_tile,
                            at::TensorList pair_blocks, at::TensorList pair_pos0, double scale, int64_t window,
-                           double softcap, int64_t amx) {
+                           double softcap) {
   return at::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
 }
 
@@ -1271,14 +1279,16 @@ at::Tensor paged_step_meta(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY(batchgen_attention, m) {
   m.def("paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_pos, Tensor pair_tile, Tensor pair_blocks, "
-        "Tensor pair_pos0, float scale, int window, float softcap, int amx=1) -> Tensor");
+        "Tensor pair_pos0, float scale, int window, float softcap) -> Tensor");
+  m.def("paged_on(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_pos, Tensor pair_tile, Tensor pair_blocks, "
+        "Tensor pair_pos0, float scale, int window, float softcap, int amx) -> Tensor");
   m.def("paged_step(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] token_idx, Tensor[] q_pos, "
-        "Tensor[] pair_tile, Tensor[] pair_blocks, Tensor[] pair_pos0, float scale, int window, float softcap, "
-        "int amx=1) -> Tensor");
+        "Tensor[] pair_tile, Tensor[] pair_blocks, Tensor[] pair_pos0, float scale, int window, float softcap) -> Tensor");
   m.def("bf16_isa() -> str", &bf16_isa);  // no tensor to dispatch on: one kernel for every backend
 }
 TORCH_LIBRARY_IMPL(batchgen_attention, CPU, m) {
   m.impl("paged", &paged_attention);
+  m.impl("paged_on", &paged_attention_on);
   m.impl("paged_step", &paged_step);
 }
 TORCH_LIBRARY_IMPL(batchgen_attention, Meta, m) {
