@@ -22,7 +22,9 @@
 //
 // On a CPU with AMX (Sapphire Rapids and later), the bf16 path's two products run on tiles instead, for
 // every row (bdot::amx_scores, amx_values): a 4,096-token prefill step's attention (30 layers) 322.7 ->
-// 136.5 ms on a 2-core Xeon, batch-64 decode 32.0 -> 32.9 ms (the same groups, packs and softmax).
+// 136.5 ms on a 2-core Xeon (the same groups, packs and softmax). A decode tile's prefetches are spread
+// through the tile loops and the merges: in one A/B, decode at batch 64 took 31.0 ms on tiles with the
+// prefetches in two bursts, 28.5 spread, 31.0 on VDPBF16PS; at batch 256 118.8, 111.5 and 117.6.
 //
 // float32 caches on AVX2 (without AVX-512) take the same keys-in-lanes plan in 8-float vectors
 // (attend_lanes8): groups of 32 positions, keys transposed once per task and head, so a score is D
@@ -606,10 +608,11 @@ inline void amx_configure() {
 }
 
 // 16 query rows (bf16, row stride ldq elements) against the packed keys kp [D/2][32] -> s [16][32]
-inline void amx_scores(const c10::BFloat16* q, int64_t ldq, const uint32_t* kp, int64_t D, float* s) {
+inline void amx_scores(const c10::BFloat16* q, int64_t ldq, const uint32_t* kp, int64_t D, float* s, Ahead& ahead) {
   _tile_zero(0);
   _tile_zero(1);
   for (int64_t kb = 0; kb < D / 32; ++kb) {
+    ahead.step(16);
     _tile_loadd(4, q + kb * 32, ldq * 2);
     _tile_loadd(6, kp + kb * 16 * KG, KG * 4);
     _tile_loadd(7, kp + kb * 16 * KG + LANES, KG * 4);
@@ -621,9 +624,10 @@ inline void amx_scores(const c10::BFloat16* q, int64_t ldq, const uint32_t* kp, 
 }
 
 // 16 rows' weights p [16][16] (bf16 pairs) times the packed values vp [16][D] -> pv [16][D]
-inline void amx_values(const uint32_t* p, const uint32_t* vp, int64_t D, float* pv) {
+inline void amx_values(const uint32_t* p, const uint32_t* vp, int64_t D, float* pv, Ahead& ahead) {
   _tile_loadd(4, p, 64);
   for (int64_t c = 0; c < D; c += LANES) {
+    ahead.step(16);
     _tile_zero(0);
     _tile_loadd(6, vp + c, D * 4);
     _tile_dpbf16ps(0, 4, 6);
@@ -725,18 +729,18 @@ void attend_bdot(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache
               for (int64_t i = 0; i < na; ++i) std::memcpy(qstage.data() + i * D, qbuf.data() + act[i] * D, D * sizeof(T));
               qa = qstage.data();
             }
-            for (int64_t i = 0; i < na; i += 16) bdot::amx_scores(qa + i * D, D, kpack.data(), D, sc + i * KG);
-            ahead.step(48);
+            for (int64_t i = 0; i < na; i += 16) bdot::amx_scores(qa + i * D, D, kpack.data(), D, sc + i * KG, ahead);
             for (int64_t i = 0; i < na; ++i) bdot::row_max(sc + i * KG, amask[i], fscale, cap, m[act[i]], delta[i]);
             for (int64_t i = 0; i < na; i += LANES) store(alpha + i, vexp(load(delta.data() + i)));
             for (int64_t i = 0; i < na; ++i)
               bdot::row_weights(sc + i * KG, m[act[i]], alpha[i], wts + i * (KG / 2), &l[act[i] * LANES]);
             for (int64_t i = 0; i < na; i += 16) {
-              bdot::amx_values(wts + i * (KG / 2), vpack.data(), D, pv.data());
-              for (int64_t r = 0; r < std::min<int64_t>(16, na - i); ++r)
+              bdot::amx_values(wts + i * (KG / 2), vpack.data(), D, pv.data(), ahead);
+              for (int64_t r = 0; r < std::min<int64_t>(16, na - i); ++r) {
+                ahead.step(8);
                 bdot::amx_merge(acc.data() + act[i + r] * D, alpha[i + r], pv.data() + r * D, D);
+              }
             }
-            ahead.step(48);
             continue;
           }
 #endif
