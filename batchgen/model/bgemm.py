@@ -57,12 +57,6 @@ def bgemm(x: torch.Tensor, packed: torch.Tensor, n: int, use_amx: bool = True) -
     return torch.ops.batchgen_bgemm.bgemm(x, packed, n, int(use_amx and isa() == "amx"))
 
 
-def swiglu(x: torch.Tensor, packed: torch.Tensor, n: int, use_amx: bool = True) -> torch.Tensor:
-    """silu(x Wg^T) * (x Wu^T) [.., n] from `pack_swiglu`'s tiles: the bits of bgemm then the silumul
-    kernel, without the [.., 2n] product in memory."""
-    return torch.ops.batchgen_bgemm.bgemm_swiglu(x, packed, n, int(use_amx and isa() == "amx"))
-
-
 def add(x: torch.Tensor, packed: torch.Tensor, n: int, h: torch.Tensor, use_amx: bool = True) -> torch.Tensor:
     """h + x W^T (bf16): the bits of bgemm then ATen's add, in one pass."""
     return torch.ops.batchgen_bgemm.bgemm_add(x, packed, n, int(use_amx and isa() == "amx"), h)
