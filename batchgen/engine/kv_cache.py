@@ -2,7 +2,7 @@
 
 Its size comes from a memory budget, never from max_num_seqs x max_model_len: a sequence holds
 only the blocks its positions need (block tables live in batchgen.engine.block_manager). The model
-reaches the buffers only through `write` and `layer`, so the layout stays this class's business.
+reaches the buffers only through `write`, `layer` and `hnd`, so the layout stays this class's business.
 """
 
 from __future__ import annotations
@@ -44,6 +44,13 @@ class PagedKVCache:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
+
+    def hnd(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's K and V pools seen as [num_blocks, Hkv, block_size, D], whatever the layout (NHD as a
+        transposed view): for a kernel that writes the cache itself (batchgen.model.rope.rope_kv)."""
+        if self.layout == "HND":
+            return self.k[i], self.v[i]
+        return self.k[i].transpose(1, 2), self.v[i].transpose(1, 2)
 
     def write(self, i: int, block_idx: torch.Tensor, offset: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [T, Hkv, D] for positions at (block_idx [T], offset [T])."""

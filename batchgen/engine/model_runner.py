@@ -131,9 +131,10 @@ class ModelRunner:
             # row in one order (Inductor's fused norm does not add as ATen's does), RoPE rounds where ATen does
             # and the gate/up matmul on the gemv or bgemm kernel applies SwiGLU as it writes (the same bits again)
             silu = activation.silu_mul if activation.load() is None else None
+            roped = rope.load() is None
             model.use_kernels(norm=rmsnorm.rms_norm if rmsnorm.load() is None else None,
-                              rope=rope.apply_rope if rope.load() is None else None, silu=silu,
-                              fuse_swiglu=silu is not None)
+                              rope=rope.apply_rope if roped else None, silu=silu, fuse_swiglu=silu is not None,
+                              rope_kv=rope.rope_kv if roped else None)
         if dtype == "float32" and config.fp32_kernel == "auto" and fp32_why:
             model.layout_note = fp32_why  # which kernel auto took for this band, and the figures
         return model, dtype, why, quantization

@@ -17,6 +17,10 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
+#include <type_traits>
+
+#include "vec.h"
 
 constexpr int64_t L = 16;  // running sums per row
 
@@ -29,6 +33,17 @@ static void norm_rows(const T* __restrict__ x, const T* __restrict__ w, T* __res
       T* __restrict__ yr = y + r * n;
       float acc[L] = {};
       int64_t i = 0;
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the same sums, VL lanes at a time (vec.h)
+        using namespace batchgen_vec;
+        static_assert(L % VL == 0);
+        vec a[L / VL] = {};
+        for (; i + L <= n; i += L)
+          for (int j = 0; j < L / VL; ++j) {
+            const vec v = from_bf16(xr + i + j * VL);
+            a[j] += v * v;
+          }
+        for (int j = 0; j < L / VL; ++j) std::memcpy(acc + j * VL, &a[j], sizeof a[j]);
+      }
       for (; i + L <= n; i += L)
         for (int64_t j = 0; j < L; ++j) {
           const float v = static_cast<float>(xr[i + j]);
@@ -41,7 +56,12 @@ static void norm_rows(const T* __restrict__ x, const T* __restrict__ w, T* __res
       for (int64_t s = L / 2; s > 0; s /= 2)
         for (int64_t j = 0; j < s; ++j) acc[j] += acc[j + s];
       const float scale = 1.0f / std::sqrt(acc[0] / static_cast<float>(n) + eps);
-      for (int64_t k = 0; k < n; ++k)  // normalised, rounded to the dtype, then times the weight in it
+      int64_t k = 0;
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        using namespace batchgen_vec;
+        for (; k + VL <= n; k += VL) store_bf16(yr + k, from_bf16(w + k) * round_bf16(from_bf16(xr + k) * scale));
+      }
+      for (; k < n; ++k)  // normalised, rounded to the dtype, then times the weight in it
         yr[k] = static_cast<T>(static_cast<float>(w[k]) *
                                static_cast<float>(static_cast<T>(static_cast<float>(xr[k]) * scale)));
     }

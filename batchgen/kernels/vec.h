@@ -58,4 +58,38 @@ __attribute__((always_inline)) inline V silu_of(V g) { return g / (V{} + 1.f + v
 
 inline vec silu(vec g) { return silu_of<vec, ivec>(g); }
 
+// bfloat16 <-> float32 on VL values, as c10::BFloat16 converts (to nearest even; NaN -> 0x7FC0), so a
+// kernel that rounds through them has the bits of ATen's ops that round through c10's
+typedef uint16_t hvec __attribute__((vector_size(VL * sizeof(uint16_t))));
+typedef uint32_t uvec __attribute__((vector_size(VL * sizeof(uint32_t))));
+
+inline vec from_bf16(const void* p) {
+  hvec h;
+  std::memcpy(&h, p, sizeof h);
+  const uvec u = __builtin_convertvector(h, uvec) << 16;
+  vec v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+inline uvec bf16_bits(vec v) {  // the rounded value's 16 bits, in the low half of each lane
+  uvec u;
+  std::memcpy(&u, &v, sizeof u);
+  const uvec r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uvec nan = uvec{} + 0x7FC0u;
+  return (v != v) ? nan : r;
+}
+
+inline void store_bf16(void* p, vec v) {
+  const hvec h = __builtin_convertvector(bf16_bits(v), hvec);
+  std::memcpy(p, &h, sizeof h);
+}
+
+inline vec round_bf16(vec v) {  // v rounded to bfloat16, as a float32
+  const uvec u = bf16_bits(v) << 16;
+  vec r;
+  std::memcpy(&r, &u, sizeof r);
+  return r;
+}
+
 }  // namespace batchgen_vec

@@ -98,6 +98,7 @@ class LlamaModel:
         # and RoPE may be kernels instead (`use_kernels`), which stay as they are
         self.base_norm, self.base_rope = rms_norm, apply_rope
         self.norm_fn, self.rope_fn = rms_norm, apply_rope
+        self.rope_kv = None  # a kernel for RoPE and the KV write in one pass (use_kernels), or None
         self.base_act = self.act_mul = silu_mul if c.hidden_act == "silu" else gelu_mul
         self.compiled = None
         inv_freq = rope_inv_freq(c)
@@ -126,14 +127,16 @@ class LlamaModel:
         layout = head if layers == head else f"layers: {layers}; head: {head}"
         return layout + (f" ({self.layout_note})" if self.layout_note else "")
 
-    def use_kernels(self, norm=None, rope=None, silu=None, fuse_swiglu: bool = False) -> None:
+    def use_kernels(self, norm=None, rope=None, silu=None, fuse_swiglu: bool = False, rope_kv=None) -> None:
         """Run RMSNorm with `norm`, RoPE with `rope` and SwiGLU's activation with `silu` where given
         (same signatures as rms_norm, apply_rope and silu_mul; `silu` only where the model's activation
         is SiLU), e.g. batchgen's kernels (batchgen.model.rmsnorm, .rope, .activation), which a compile
         leaves alone: opaque ops to Inductor. The rope kernel takes the step's shapes only, so the
         no-cache path (`prefill`) keeps apply_rope. `fuse_swiglu`: where `silu` is batchgen's kernel,
         the gate/up matmuls on the gemv or bgemm kernel apply it themselves (Linear.fuse_swiglu: the same bits,
-        without the [T, 2I] product in memory)."""
+        without the [T, 2I] product in memory). `rope_kv` (batchgen.model.rope.rope_kv): RoPE on q and k
+        with the KV write in one pass, for the eager step (a compiled step keeps `rope` and the write)."""
+        self.rope_kv = rope_kv
         if norm is not None:
             self.base_norm = self.norm_fn = norm
         if rope is not None:
@@ -234,8 +237,12 @@ class LlamaModel:
         h = self._embed(tokens)  # [T, E]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, h)  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
-            q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
-            kv.write(i, block_idx, offset, k, v)  # first, so a chunk's queries see their own keys
+            # the KV write first, so a chunk's queries see their own keys
+            if self.rope_kv is not None and not torch.compiler.is_compiling():
+                q = self.rope_kv(q, k, v, cos, sin, *kv.hnd(i), block_idx, offset)
+            else:
+                q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
+                kv.write(i, block_idx, offset, k, v)
             k_cache, v_cache = kv.layer(i)
             o = attention(q.view(T, Hkv, G, D), k_cache, v_cache, meta, self.scale,
                           window=layer.window, softcap=c.attn_softcap)  # [T, Hkv, G, D]
