@@ -32,6 +32,23 @@ def test_greedy_is_argmax(kernel):
     assert sample(logits, 0.0, kernel=kernel).tolist() == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("R,V", [(1, 49152), (3, 7), (64, 1000)])
+def test_greedy_is_torch_argmax_with_its_ties_nan_and_infinities(kernel, R, V):
+    """The fused kernel's argmax picks as torch.argmax does: the first of equal maxima (-0.0 equals
+    0.0), a NaN as the largest (the first NaN), a row of -inf at id 0."""
+    logits = torch.randn(R, V, generator=torch.Generator().manual_seed(R))
+    if R > 1:
+        logits[1] = float("-inf")
+        logits[2, [3, V - 1]] = 100.0  # a tie: the first id
+    if R > 3:
+        logits[3, [5, 9]] = float("nan")
+        logits[4] = 0.0
+        logits[4, 2] = -0.0
+        logits[5, V - 1] = float("inf")
+    got = Sampler(V, "cpu", kernel).argmax(logits)
+    assert got.dtype == torch.int64 and got.tolist() == logits.argmax(-1).tolist()
+
+
 def test_top_k_1_is_greedy_even_when_hot(kernel):
     logits = torch.randn(6, 50)
     assert sample(logits, 5.0, top_k=1, kernel=kernel).tolist() == logits.argmax(-1).tolist()
