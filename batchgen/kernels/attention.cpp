@@ -362,9 +362,18 @@ struct Ahead {
     run[n] = static_cast<const char*>(p);
     len[n++] = bytes;
   }
+  // Into L2 on AVX-512 CPUs: an L1 prefetch holds one of the core's few line-fill buffers until its line
+  // arrives, an L2 one does not, so more lines are in flight (decode attention alone on the 2-core Xeon,
+  // in-process A/B, the same bits: batch 64 31.5 -> 30.0 ms, batch 256 114.8 -> 108.3; 2026-12-06).
+  // Into L1 on AVX2, as measured on the Zen 3 (not measured there again)
+#if defined(__AVX512F__)
+  static constexpr int HINT = _MM_HINT_T1;
+#else
+  static constexpr int HINT = _MM_HINT_T0;
+#endif
   __attribute__((always_inline)) inline void step(int lines = 1) {
     for (int i = 0; i < lines && r < n; ++i) {
-      _mm_prefetch(run[r] + o, _MM_HINT_T0);
+      _mm_prefetch(run[r] + o, static_cast<_mm_hint>(HINT));
       if ((o += 64) >= len[r]) ++r, o = 0;
     }
   }
