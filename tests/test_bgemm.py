@@ -62,6 +62,8 @@ def test_linear_runs_on_it_and_under_compile():
 
 def test_bad_input_is_refused():
     packed = bgemm.pack(torch.randn(32, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="K = 0"):  # once an uninitialised output: M was counted as 0 rows
+        torch.ops.batchgen_bgemm.bgemm(torch.randn(5, 0).bfloat16(), bgemm.pack(torch.randn(32, 0).bfloat16()), 32, 0)
     with pytest.raises(RuntimeError, match="bfloat16 only"):
         torch.ops.batchgen_bgemm.bgemm(torch.randn(2, 64), packed, 32, 0)
     with pytest.raises(RuntimeError, match="shapes do not match"):

@@ -227,6 +227,7 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t
   TORCH_CHECK(w.dim() == 5 && w.size(2) == TK / 2 && w.size(3) == TN && w.size(4) == 2 && w.is_contiguous(),
               "batchgen bgemm: weight must be packed [N/16, K/32, 16, 16, 2]");
   const int64_t K = x.size(-1), NB = w.size(0), KB = w.size(1);
+  TORCH_CHECK(K > 0, "batchgen bgemm: x has no columns (K = 0)");
   TORCH_CHECK(NB % 2 == 0 && n <= NB / 2 * per && n > (NB / 2 - 1) * per && KB * TK >= K && (KB - 1) * TK < K,
               "batchgen bgemm: shapes do not match");
   const bool amx = use_amx && amx_usable();
@@ -286,7 +287,7 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
           // the last block's epilogue, a few rows after each K step of this one
           const float* hc = cbuf[cur ^ 1];
-          const int64_t per_kb = (held.rows + KB - 1) / KB;
+          const int64_t per_kb = (held.rows + KB - 1) / KB;  // K > 0: KB >= 1
           auto between = [&](int64_t kb) {
             const int64_t r0 = kb * per_kb, r1 = std::min(held.rows, r0 + per_kb);
             if (r0 < r1) finish(hc, held.m, r0, r1, held.col0, held.cols);
