@@ -5,6 +5,9 @@
 
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace batchgen_vec {
 
@@ -63,6 +66,13 @@ inline vec silu(vec g) { return silu_of<vec, ivec>(g); }
 typedef uint16_t hvec __attribute__((vector_size(VL * sizeof(uint16_t))));
 typedef uint32_t uvec __attribute__((vector_size(VL * sizeof(uint32_t))));
 
+#if defined(__AVX512F__)
+// AVX-512: one widening move each way (GCC's generic conversions take the 256-bit halves apart)
+inline vec from_bf16(const void* p) {
+  const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p))), 16);
+  return reinterpret_cast<vec>(u);
+}
+#else
 inline vec from_bf16(const void* p) {
   hvec h;
   std::memcpy(&h, p, sizeof h);
@@ -71,6 +81,7 @@ inline vec from_bf16(const void* p) {
   std::memcpy(&v, &u, sizeof v);
   return v;
 }
+#endif
 
 inline uvec bf16_bits(vec v) {  // the rounded value's 16 bits, in the low half of each lane
   uvec u;
@@ -81,8 +92,12 @@ inline uvec bf16_bits(vec v) {  // the rounded value's 16 bits, in the low half 
 }
 
 inline void store_bf16(void* p, vec v) {
+#if defined(__AVX512F__)
+  _mm256_storeu_si256(static_cast<__m256i*>(p), _mm512_cvtepi32_epi16(reinterpret_cast<__m512i>(bf16_bits(v))));
+#else
   const hvec h = __builtin_convertvector(bf16_bits(v), hvec);
   std::memcpy(p, &h, sizeof h);
+#endif
 }
 
 inline vec round_bf16(vec v) {  // v rounded to bfloat16, as a float32
