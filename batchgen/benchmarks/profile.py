@@ -65,7 +65,8 @@ def top_ops(prof, steps: int, n: int) -> list[tuple[str, str, float, int]]:
     return [(ev.key, classify(ev.key), ev.self_cpu_time_total / 1e3 / s, round(ev.count / s)) for ev in evs[:n]]
 
 
-def profile_batch(model_dir, batch: int, decode_steps: int, compile_: str = "on", ops: int = 0) -> dict:
+def profile_batch(model_dir, batch: int, decode_steps: int, compile_: str = "on", ops: int = 0,
+                  dtype: str = "auto") -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -73,7 +74,7 @@ def profile_batch(model_dir, batch: int, decode_steps: int, compile_: str = "on"
     from batchgen.config import EngineConfig, SamplingParams
     from batchgen.engine.native import NativeEngine
 
-    cfg = EngineConfig(max_num_seqs=batch, max_model_len=2048, compile=compile_, enable_prefix_caching=False,
+    cfg = EngineConfig(max_num_seqs=batch, max_model_len=2048, compile=compile_, enable_prefix_caching=False, dtype=dtype,
                        kv_cache_tokens=batch * 700 + 2048, max_num_batched_tokens=4096)
     e = NativeEngine(model_dir, cfg)
     ids = held_prompt_ids(e.tokenizer, batch)  # the bench's chat prompts
@@ -141,14 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--ops", type=int, default=0, help="also list each phase's N ops with the most own time")
+    p.add_argument("--dtype", default="auto", help="the engine's dtype (auto: what a user gets by default)")
     a = p.parse_args(argv)
     model = resolve_model(a.model)
     rows = []
     for b in (int(x) for x in a.batches.split(",")):
-        rows.append(profile_batch(model, b, decode_steps=a.decode_steps, ops=a.ops))
+        rows.append(profile_batch(model, b, decode_steps=a.decode_steps, ops=a.ops, dtype=a.dtype))
         print(f"  batch {b} done", flush=True)
     print(f"step profile, {time.strftime('%Y-%m-%d %H:%M')}: {cpu_model()} ({cpu_features()}), "
-          f"{rows[0]['threads']} torch threads; native engine, dtype auto, compile on, attention "
+          f"{rows[0]['threads']} torch threads; native engine, dtype {a.dtype}, compile on, attention "
           f"{rows[0]['attention']}; prefill: every held prompt's steps, decode: {a.decode_steps} steps; "
           f"one run, shares of each phase's wall time under the profiler")
     print(format_rows(rows))

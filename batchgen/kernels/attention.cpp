@@ -30,7 +30,9 @@
 // (attend_lanes8): groups of 32 positions, keys transposed once per task and head, so a score is D
 // multiply-adds in dim order with no horizontal sums, values read in place. On a 2-core Zen 3 a
 // 4,096-token prefill step's attention went from 857-892 to 483-503 ms, a batch-64 decode step's from
-// 66-69 to 56-59 ms (attention_op, 30 layers, alternated). AVX-512 float32 keeps the fold below.
+// 66-69 to 56-59 ms (attention_op, 30 layers, alternated). AVX-512 float32 keeps the fold below; its
+// decode tiles take every KV head of a tile in one task and ask for the next block's lines from inside
+// the folds (Ahead): batch-64 decode 59.3 -> 49.7 ms a step, batch 256 217 -> 176, on a 2-core Xeon.
 //
 // A query row's result depends only on its own query, position and keys: the blocks are visited in
 // position order and each is folded in the same operations, whatever the tile the row sits in, the
@@ -110,6 +112,46 @@ inline vec lane_sums(vec* a) {
   return a[0];
 }
 
+// A decode tile's next key group, asked for (prefetch) a line or two at a time from inside the loops that
+// fold this group (every path; the generic fold's group is the next block): the loads stream while the folds compute, where reading a whole group's lines before
+// its fold (one burst, then the arithmetic) kept them apart. The runs are the group's K and V rows of
+// each block, every head of the task. On a 2-core Zen 3 (attention alone, 30 layers, alternated, the
+// same bits): batch-64 decode 63.9 -> 53.6 ms a step, batch 256 234.2 -> 190.1. The next group's lines
+// asked for in one burst before each head's pack were slower (0.96-0.99x), and so were those two groups on.
+// Spread as here, two groups on were slower too (batch 256 0.93x), into L2 (T1) level, and a task's
+// first group asked for by the task before it level (docs/speed.md, 2026-12-06).
+struct Ahead {
+  static constexpr int KG = 32;  // positions a group (both paths)
+  const char* run[2 * KG];  // at most KG blocks (block size 1), a K run and a V run each; or 2 a head
+  int64_t len[2 * KG];
+  int n = 0, r = 0;
+  int64_t o = 0;  // bytes of run r asked for
+  void add(const void* p, int64_t bytes) {
+    if (n == 2 * KG) return;  // more runs than a group of blocks has: a hint, so left out
+    run[n] = static_cast<const char*>(p);
+    len[n++] = bytes;
+  }
+  // Into L2 on AVX-512 CPUs: an L1 prefetch holds one of the core's few line-fill buffers until its line
+  // arrives, an L2 one does not, so more lines are in flight (decode attention alone on the 2-core Xeon,
+  // in-process A/B, the same bits: batch 64 31.5 -> 30.0 ms, batch 256 114.8 -> 108.3; 2026-12-06).
+  // Into L1 on AVX2, as measured on the Zen 3 (not measured there again). __builtin_prefetch's
+  // locality 3 is x86's T0, 2 its T1; other CPUs take their compiler's nearest.
+#if defined(__AVX512F__)
+  static constexpr int LOCALITY = 2;
+#else
+  static constexpr int LOCALITY = 3;
+#endif
+  __attribute__((always_inline)) inline void step(int lines = 1) {
+    for (int i = 0; i < lines && r < n; ++i) {
+      __builtin_prefetch(run[r] + o, 0, LOCALITY);
+      if ((o += 64) >= len[r]) ++r, o = 0;
+    }
+  }
+  void rest() {  // whatever the loops did not reach (a D or block size their calls do not cover)
+    while (r < n) step(64);
+  }
+};
+
 // R query rows (one token's query heads of a KV head, rows [R, NV * VL]) against one block's
 // visible slots [lo, hi), the same for every row: fold them into each row's running max m, sum l and
 // output acc [R, NV * VL]. k and v are the block's rows [bs, NV * VL], float32. The scores are taken
@@ -119,10 +161,12 @@ inline vec lane_sums(vec* a) {
 // same operations whatever R: the rows are folded side by side so that their dependency chains (the
 // running max and sum, the output's multiply-adds) overlap, and a key's value is loaded once for all
 // of them; a row's result does not depend on the rows beside it.
+// A decode tile's next block is asked for through `ahead` (nullptr: none), two lines a key and row
+// of the scores and a key of the values: the 128 lines of a 16 x 64 float32 block's K and V for 3 rows.
 template <int NV, int R>
 inline void fold(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, int64_t lo,
                  int64_t hi, float scale, float cap, float* __restrict__ m, float* __restrict__ l,
-                 float* __restrict__ acc) {
+                 float* __restrict__ acc, Ahead* ahead) {
   constexpr int64_t D = NV * VL;
   alignas(64) float s[R][MAX_BS + VL];
   for (int r = 0; r < R; ++r) {
@@ -133,6 +177,7 @@ inline void fold(const float* __restrict__ q, const float* __restrict__ k, const
       vec a[VL];
       for (int64_t jj = 0; jj < VL; ++jj) {
         if (jj < count) {
+          if (ahead) ahead->step(2);
           const float* kj = k + (j0 + jj) * D;
           vec t = qv[0] * load(kj);
           for (int i = 1; i < NV; ++i) t += qv[i] * load(kj + i * VL);
@@ -161,6 +206,7 @@ inline void fold(const float* __restrict__ q, const float* __restrict__ k, const
   }
   for (int64_t j = lo; j < hi; ++j) {
     const float* vj = v + j * D;
+    if (ahead) ahead->step(2);
     vec vv[NV];
     for (int i = 0; i < NV; ++i) vv[i] = load(vj + i * VL);
     for (int r = 0; r < R; ++r) {
@@ -201,7 +247,7 @@ inline void fold_any(const float* q, const float* k, const float* v, int64_t D, 
   m = m_new;
 }
 
-using Fold = void (*)(const float*, const float*, const float*, int64_t, int64_t, float, float, float*, float*, float*);
+using Fold = void (*)(const float*, const float*, const float*, int64_t, int64_t, float, float, float*, float*, float*, Ahead*);
 constexpr int MAX_R = 4;  // query rows folded side by side
 
 template <int NV>
@@ -343,45 +389,6 @@ void run_tasks(int64_t n, Body body) {
 }
 
 #if defined(__x86_64__)
-// A decode tile's next key group, asked for (prefetch) a line or two at a time from inside the loops that
-// fold this group (the AVX2 float32 path and the AVX512_BF16 path alike): the loads stream while the folds compute, where reading a whole group's lines before
-// its fold (one burst, then the arithmetic) kept them apart. The runs are the group's K and V rows of
-// each block, every head of the task. On a 2-core Zen 3 (attention alone, 30 layers, alternated, the
-// same bits): batch-64 decode 63.9 -> 53.6 ms a step, batch 256 234.2 -> 190.1. The next group's lines
-// asked for in one burst before each head's pack were slower (0.96-0.99x), and so were those two groups on.
-// Spread as here, two groups on were slower too (batch 256 0.93x), into L2 (T1) level, and a task's
-// first group asked for by the task before it level (docs/speed.md, 2026-12-06).
-struct Ahead {
-  static constexpr int KG = 32;  // positions a group (both paths)
-  const char* run[2 * KG];  // at most KG blocks (block size 1), a K run and a V run each; or 2 a head
-  int64_t len[2 * KG];
-  int n = 0, r = 0;
-  int64_t o = 0;  // bytes of run r asked for
-  void add(const void* p, int64_t bytes) {
-    if (n == 2 * KG) return;  // more runs than a group of blocks has: a hint, so left out
-    run[n] = static_cast<const char*>(p);
-    len[n++] = bytes;
-  }
-  // Into L2 on AVX-512 CPUs: an L1 prefetch holds one of the core's few line-fill buffers until its line
-  // arrives, an L2 one does not, so more lines are in flight (decode attention alone on the 2-core Xeon,
-  // in-process A/B, the same bits: batch 64 31.5 -> 30.0 ms, batch 256 114.8 -> 108.3; 2026-12-06).
-  // Into L1 on AVX2, as measured on the Zen 3 (not measured there again)
-#if defined(__AVX512F__)
-  static constexpr int HINT = _MM_HINT_T1;
-#else
-  static constexpr int HINT = _MM_HINT_T0;
-#endif
-  __attribute__((always_inline)) inline void step(int lines = 1) {
-    for (int i = 0; i < lines && r < n; ++i) {
-      _mm_prefetch(run[r] + o, static_cast<_mm_hint>(HINT));
-      if ((o += 64) >= len[r]) ++r, o = 0;
-    }
-  }
-  void rest() {  // whatever the loops did not reach (a D or block size their calls do not cover)
-    while (r < n) step(64);
-  }
-};
-
 // The runs of a decode tile's key group from slot `next` of its blocks (visits) into `ahead`: every
 // head of the task (KV heads h0 .. h0 + width), K and V
 template <typename T>
@@ -1101,20 +1108,32 @@ void attend(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache, con
   }
 #endif
 
-  run_tasks(N * Hkv, [&](auto next) {
-    std::vector<float> qf(QG * D), acc(QG * D), m(QG), l(QG);
+  // A task is a tile and one KV head; or, for one-token tiles where there are tiles enough for the
+  // threads, a tile with all its KV heads (a block's heads lie side by side: one stream of memory, as the
+  // paths above). A prompt chunk reads its blocks AHEAD positions before their fold, in bursts; a decode
+  // tile reads its first block so, then asks for each next block's lines from inside the folds of the one
+  // before (Ahead). float32 decode attention alone on the 2-core Xeon (AVX-512, 30 layers, in-process
+  // A/B, median of 7, the same bits): batch 64 59.3 -> 49.7 ms a step; all heads a task with bursts
+  // 54.5, a burst of prefetches a block or two ahead 55-57; spread at one line a key 55.0, at four 53.9.
+  // Prompt chunks on Ahead were slower (4,096 tokens 0.955x), so they keep their bursts.
+  const int64_t split = Qt == 1 && N >= 4 * at::get_num_threads() ? 1 : Hkv, width = Hkv / split;
+  const int64_t head = bs * D;  // elements from one KV head's rows of a block to the next head's
+  run_tasks(N * split, [&](auto next) {
+    const int64_t rows_n = width * QG;
+    std::vector<float> qf(rows_n * D), acc(rows_n * D), m(rows_n), l(rows_n);
     std::vector<float> kf(std::is_same_v<T, float> ? 0 : bs * D), vf(std::is_same_v<T, float> ? 0 : bs * D);
     std::vector<std::pair<int64_t, int64_t>> visits;
     int sink = 0;  // the read-ahead words, unused
     for (int64_t task; (task = next()) >= 0;) {
-      const int64_t n = task / Hkv, h = task % Hkv;
-      // the tile's queries of this KV head, as float32 rows r = t * G + g
-      for (int64_t t = 0; t < Qt; ++t)
-        for (int64_t g = 0; g < G; ++g) {
-          const T* src = qp + ((tl.tok[n * Qt + t] * Hkv + h) * G + g) * D;
-          float* dst = qf.data() + (t * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = to_f(src[d]);
-        }
+      const int64_t n = task / split, h0 = task % split * width;
+      // the tile's queries of the task's KV heads, as float32 rows hh * QG + t * G + g
+      for (int64_t hh = 0; hh < width; ++hh)
+        for (int64_t t = 0; t < Qt; ++t)
+          for (int64_t g = 0; g < G; ++g) {
+            const T* src = qp + ((tl.tok[n * Qt + t] * Hkv + h0 + hh) * G + g) * D;
+            float* dst = qf.data() + (hh * QG + t * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = to_f(src[d]);
+          }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
@@ -1125,50 +1144,63 @@ void attend(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache, con
       size_t fetched = 0;  // visits read ahead
       for (size_t vi = 0; vi < visits.size(); ++vi) {
         const auto [blk, pos0] = visits[vi];
-        for (; fetched < visits.size() && visits[fetched].second < pos0 + bs + AHEAD; ++fetched) {
-          const int64_t off = (visits[fetched].first * Hkv + h) * bs * D;
-          read_ahead(kp + off, vp + off, bs * D * int64_t(sizeof(T)), sink);
+        for (const int64_t upto = Qt == 1 ? pos0 + bs : pos0 + bs + AHEAD;
+             fetched < visits.size() && visits[fetched].second < upto; ++fetched) {
+          const int64_t off = (visits[fetched].first * Hkv + h0) * head;
+          read_ahead(kp + off, vp + off, width * head * int64_t(sizeof(T)), sink);
+        }
+        Ahead ahead;
+        if (Qt == 1 && vi + 1 < visits.size()) {
+          const int64_t off = (visits[vi + 1].first * Hkv + h0) * head;
+          ahead.add(kp + off, width * head * int64_t(sizeof(T)));
+          ahead.add(vp + off, width * head * int64_t(sizeof(T)));
+          fetched = vi + 2;  // asked for now: not read again
         }
         const int64_t nk = std::min(bs, last - pos0 + 1);  // slots any query may see
-        const float* kb;
-        const float* vb;
-        if constexpr (std::is_same_v<T, float>) {
-          kb = kp + (blk * Hkv + h) * bs * D;
-          vb = vp + (blk * Hkv + h) * bs * D;
-        } else {
-          const T* ks = kp + (blk * Hkv + h) * bs * D;
-          const T* vs = vp + (blk * Hkv + h) * bs * D;
-          for (int64_t j = 0; j < nk * D; ++j) kf[j] = to_f(ks[j]), vf[j] = to_f(vs[j]);
-          kb = kf.data();
-          vb = vf.data();
-        }
-        for (int64_t t = 0; t < Qt; ++t) {  // a token's G rows (its query heads) see the same slots
-          const int64_t qpos_t = qpos[n * Qt + t];
-          if (qpos_t >= PAD_POS) continue;
-          const int64_t hi = std::min(nk, qpos_t - pos0 + 1);  // slots [lo, hi) visible to the token
-          const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos_t - window + 1 - pos0) : 0;
-          if (hi <= lo) continue;
-          for (int64_t r = t * G, end = r + G; r < end;) {
-            const int64_t R = std::min<int64_t>(MAX_R, end - r);
-            if (vfold[R]) {
-              vfold[R](qf.data() + r * D, kb, vb, lo, hi, fscale, cap, &m[r], &l[r], acc.data() + r * D);
-              r += R;
-            } else {
-              fold_any(qf.data() + r * D, kb, vb, D, lo, hi, fscale, cap, m[r], l[r], acc.data() + r * D);
-              r += 1;
+        for (int64_t hh = 0; hh < width; ++hh) {
+          const float* kb;
+          const float* vb;
+          if constexpr (std::is_same_v<T, float>) {
+            kb = kp + (blk * Hkv + h0 + hh) * head;
+            vb = vp + (blk * Hkv + h0 + hh) * head;
+          } else {
+            const T* ks = kp + (blk * Hkv + h0 + hh) * head;
+            const T* vs = vp + (blk * Hkv + h0 + hh) * head;
+            for (int64_t j = 0; j < nk * D; ++j) kf[j] = to_f(ks[j]), vf[j] = to_f(vs[j]);
+            kb = kf.data();
+            vb = vf.data();
+          }
+          for (int64_t t = 0; t < Qt; ++t) {  // a token's G rows (its query heads) see the same slots
+            const int64_t qpos_t = qpos[n * Qt + t];
+            if (qpos_t >= PAD_POS) continue;
+            const int64_t hi = std::min(nk, qpos_t - pos0 + 1);  // slots [lo, hi) visible to the token
+            const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos_t - window + 1 - pos0) : 0;
+            if (hi <= lo) continue;
+            for (int64_t r = hh * QG + t * G, end = r + G; r < end;) {
+              const int64_t R = std::min<int64_t>(MAX_R, end - r);
+              if (vfold[R]) {
+                vfold[R](qf.data() + r * D, kb, vb, lo, hi, fscale, cap, &m[r], &l[r], acc.data() + r * D,
+                         Qt == 1 ? &ahead : nullptr);
+                r += R;
+              } else {
+                fold_any(qf.data() + r * D, kb, vb, D, lo, hi, fscale, cap, m[r], l[r], acc.data() + r * D);
+                r += 1;
+              }
             }
           }
         }
+        ahead.rest();
       }
-      for (int64_t t = 0; t < Qt; ++t) {
-        if (!tl.write_pad && qpos[n * Qt + t] >= PAD_POS) continue;
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = t * G + g;
-          T* dst = op + ((tl.tok[n * Qt + t] * Hkv + h) * G + g) * D;
-          const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;  // a row with no visible key (none planned) gives 0
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] * inv);
+      for (int64_t hh = 0; hh < width; ++hh)
+        for (int64_t t = 0; t < Qt; ++t) {
+          if (!tl.write_pad && qpos[n * Qt + t] >= PAD_POS) continue;
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = hh * QG + t * G + g;
+            T* dst = op + ((tl.tok[n * Qt + t] * Hkv + h0 + hh) * G + g) * D;
+            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;  // a row with no visible key (none planned) gives 0
+            for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] * inv);
+          }
         }
-      }
     }
   });
 }
