@@ -182,11 +182,12 @@ def test_bfloat16_reads_no_slot_past_the_tiles_last_position(op):
     assert torch.equal(out, clean) and not out.isnan().any()
 
 
-@pytest.mark.parametrize("dims,bs", [(40, 8), (64, 12), (24, 48)])
+@pytest.mark.parametrize("dims,bs", [(40, 8), (64, 12), (24, 48), (32, 16), (128, 16)])
 def test_float32_on_shapes_outside_the_keys_in_lanes_path(op, dims, bs):
-    """On AVX2, float32 takes the keys-in-lanes path only for D a multiple of 16 and groups of 32
-    positions that blocks tile; other head sizes and block sizes take the fold (or its scalar form)
-    and still match the PyTorch path, in every case."""
+    """float32 takes the keys-in-lanes path only for D a multiple of 16 (AVX2) or 64 (AVX-512) and
+    groups of 32 positions that blocks tile; other head sizes and block sizes take the fold (or its
+    scalar form) and still match the PyTorch path, in every case (D = 32: the fold on AVX-512, keys in
+    lanes on AVX2; D = 128: two passes of the values on either)."""
     gen = torch.Generator().manual_seed(dims + bs)
     for chunks, width, keys in CASES.values():
         g, T = plan(chunks, width, keys, bs=bs)

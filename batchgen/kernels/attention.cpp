@@ -26,13 +26,15 @@
 // through the tile loops and the merges: in one A/B, decode at batch 64 took 31.0 ms on tiles with the
 // prefetches in two bursts, 28.5 spread, 31.0 on VDPBF16PS; at batch 256 118.8, 111.5 and 117.6.
 //
-// float32 caches on AVX2 (without AVX-512) take the same keys-in-lanes plan in 8-float vectors
-// (attend_lanes8): groups of 32 positions, keys transposed once per task and head, so a score is D
+// float32 caches on AVX2 and AVX-512 take the same keys-in-lanes plan in 8- or 16-float vectors
+// (attend_keys_in_lanes): groups of 32 positions, keys transposed once per task and head, so a score is D
 // multiply-adds in dim order with no horizontal sums, values read in place. On a 2-core Zen 3 a
 // 4,096-token prefill step's attention went from 857-892 to 483-503 ms, a batch-64 decode step's from
-// 66-69 to 56-59 ms (attention_op, 30 layers, alternated). AVX-512 float32 keeps the fold below; its
-// decode tiles take every KV head of a tile in one task and ask for the next block's lines from inside
-// the folds (Ahead): batch-64 decode 59.3 -> 49.7 ms a step, batch 256 217 -> 176, on a 2-core Xeon.
+// 66-69 to 56-59 ms (attention_op, 30 layers, alternated). On the 2-core Xeon (AVX-512), against the
+// fold below: 4,096 tokens 455.8 -> 353.5 ms (1.29x), batch-64 decode 50.3 -> 53.1 (0.95x), batch 256
+// 183.5 -> 189.4; prefill is most of a batch run, so it is kept. Float16 caches, and float32 of shapes
+// it does not fit, take the fold; a decode tile there takes every KV head of its tile in one task and
+// asks for the next block's lines from inside the folds (Ahead): float32 at batch 64 59.3 -> 49.7 ms.
 //
 // A query row's result depends only on its own query, position and keys: the blocks are visited in
 // position order and each is folded in the same operations, whatever the tile the row sits in, the
@@ -801,36 +803,55 @@ void attend_bdot(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// ---- float32 caches on AVX2: keys in lanes ------------------------------------------------------------
+#if defined(__AVX2__) && defined(__FMA__)
+// ---- float32 caches on AVX2 and AVX-512: keys in lanes -------------------------------------------------
 //
 // The fold above sums each key's D products across a vector's lanes; a prompt chunk's row (every token
 // of a 64-token tile, every query head) then reads each key again, and the output's accumulators (R rows
 // of D / 8 vectors) outgrow AVX2's 16 registers. Here, as in the bf16 pair path, each aligned group of
 // 32 positions is one step of the online softmax: the group's keys are packed once per task and KV
 // head, transposed (dim i of key j at kp[i * 32 + j]), so a query row's 32 scores are D multiply-adds
-// into four vectors, with no horizontal sums; the values are read in place, a key at a time, 8 dims to
-// a vector. A group is folded into a KV head's rows in three passes, each over all its rows (scores;
+// into four vectors (two on AVX-512), with no horizontal sums; the values are read in place, a key at a
+// time, 8 or 16 dims to a vector. The AVX2 code is the intrinsics it was measured with; AVX-512 takes
+// vec.h's vectors in the same operations (the AVX2 build of both gives the same bits and speed). A group is folded into a KV head's rows in three passes, each over all its rows (scores;
 // max, exponentials, per-lane sums; values), so that one row's dependency chains overlap the others'.
 // A decode tile's few rows take the same steps in one go (fold). Every row runs the same operations
 // whatever the rows beside it (R only shares loads), the tile, the task's heads or the threads; a slot
 // past the tile's last position is packed as zero and masked, and its value is never read.
-namespace lanes8 {
+namespace keys_in_lanes {
 
-constexpr int64_t KG = 32;  // keys per group: four vectors of scores
-constexpr int64_t W = 8;    // floats a vector
+constexpr int64_t KG = 32;  // keys per group: four vectors of scores (AVX2), two (AVX-512)
+constexpr int64_t W = VL;   // floats a vector
+constexpr int64_t NG = KG / W;  // vectors of a row's group scores
 constexpr int MAX_RB = 6;   // rows a pass takes side by side
+constexpr int CB = W == 8 ? 2 : 4;  // vectors of dims a values pass keeps per row (16 dims on AVX2, 64 on AVX-512)
+// lines of the next group a decode tile asks for (Ahead) at each 8 x 8 block of the pack, dim of the
+// scores and key of the values. AVX-512 at AVX2's 2, 1, 1: batch-64 decode attention 0.85x of 2, 2, 2
+constexpr int S_PACK = 2, S_SC = W == 8 ? 1 : 2, S_VAL = W == 8 ? 1 : 2;
+template <int R>
+constexpr int NK = NG < (R <= 3 ? 4 : 2) ? NG : (R <= 3 ? 4 : 2);  // score vectors a pass of R rows keeps
+
+// the sum of W lanes t[0..W), neighbours first (the same tree at any width)
+template <int N>
+__attribute__((always_inline)) inline float lane_total(const float* t) {
+  if constexpr (N == 1) {
+    return t[0];
+  } else {
+    return lane_total<N / 2>(t) + lane_total<N / 2>(t + N / 2);
+  }
+}
 
 
 // one group's key rows k[j] + head (j < n; the rest zero, read from `zeros`) -> kp [D][32], transposed
 // 8 x 8 at a time (the 128-bit halves' swap done by the loads)
 inline void pack_keys(const float* const* k, int64_t head, int64_t D, int64_t n, const float* zeros, float* kp,
                       Ahead& ahead) {
-  for (int64_t g = 0; g < KG / W; ++g) {
-    const float* row[W];
-    for (int64_t j = 0; j < W; ++j) row[j] = g * W + j < n ? k[g * W + j] + head : zeros;
-    for (int64_t c = 0; c < D; c += W) {
-      ahead.step(2);
+  constexpr int64_t E = 8;  // floats of a 256-bit vector: the transpose is 8 x 8 on either instruction set
+  for (int64_t g = 0; g < KG / E; ++g) {
+    const float* row[E];
+    for (int64_t j = 0; j < E; ++j) row[j] = g * E + j < n ? k[g * E + j] + head : zeros;
+    for (int64_t c = 0; c < D; c += E) {
+      ahead.step(S_PACK);
       __m256 t[8];  // t[j], t[4 + j]: dims c..c+3, c+4..c+7 of keys j (low half) and j + 4 (high half)
       for (int j = 0; j < 4; ++j) {
         t[j] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(row[j] + c)), _mm_loadu_ps(row[j + 4] + c), 1);
@@ -841,7 +862,7 @@ inline void pack_keys(const float* const* k, int64_t head, int64_t D, int64_t n,
         const __m256* u = t + 4 * h;
         const __m256 a = _mm256_unpacklo_ps(u[0], u[1]), b = _mm256_unpackhi_ps(u[0], u[1]);
         const __m256 x = _mm256_unpacklo_ps(u[2], u[3]), y = _mm256_unpackhi_ps(u[2], u[3]);
-        float* o = kp + (c + 4 * h) * KG + g * W;
+        float* o = kp + (c + 4 * h) * KG + g * E;
         _mm256_storeu_ps(o, _mm256_shuffle_ps(a, x, 0x44));
         _mm256_storeu_ps(o + KG, _mm256_shuffle_ps(a, x, 0xee));
         _mm256_storeu_ps(o + 2 * KG, _mm256_shuffle_ps(b, y, 0x44));
@@ -855,6 +876,24 @@ inline void pack_keys(const float* const* k, int64_t head, int64_t D, int64_t n,
 // one chain of D multiply-adds in dim order, whatever R and NK; a line of `ahead` asked for a dim
 template <int R, int NK>
 inline void scores(const float* const* q, const float* kp, int64_t D, float* s, Ahead* ahead = nullptr) {
+#if defined(__AVX512F__)
+  for (int64_t h = 0; h < KG; h += NK * W) {
+    vec a[R][NK];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NK; ++b) a[r][b] = vec{};
+    for (int64_t i = 0; i < D; ++i) {
+      if (ahead) ahead->step(S_SC);
+      vec kv[NK];
+      for (int b = 0; b < NK; ++b) kv[b] = load(kp + i * KG + h + b * W);
+      for (int r = 0; r < R; ++r) {
+        const vec qi = splat(q[r][i]);
+        for (int b = 0; b < NK; ++b) a[r][b] += qi * kv[b];
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NK; ++b) store(s + r * KG + h + b * W, a[r][b]);
+  }
+#else
   for (int64_t h = 0; h < KG; h += NK * W) {
     __m256 a[R][NK];
     for (int r = 0; r < R; ++r)
@@ -871,6 +910,7 @@ inline void scores(const float* const* q, const float* kp, int64_t D, float* s, 
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < NK; ++b) _mm256_storeu_ps(s + r * KG + h + b * W, a[r][b]);
   }
+#endif
 }
 
 // one row's scores s [32] (scaled, squashed, masked in place: bit j of `mask` keeps key j) -> its new
@@ -878,6 +918,31 @@ inline void scores(const float* const* q, const float* kp, int64_t D, float* s, 
 // lanes' max is a shuffle tree, not a loop through memory, so one row's chains overlap the next row's:
 // a 4,096-token prefill step's attention 2.6-4.3% faster, decode 1.9-2.3% (Zen 3, in-process A/B, same bits)
 __attribute__((always_inline)) inline void row_max(float* s, uint32_t mask, float scale, float cap, float& m, float& delta) {
+#if defined(__AVX512F__)
+  const vec ninf = splat(-std::numeric_limits<float>::infinity());
+  ivec bit;
+  for (int j = 0; j < W; ++j) bit[j] = 1 << j;
+  if (cap > 0.f)  // Gemma 2: scores squashed into (-cap, cap)
+    for (int64_t j = 0; j < KG; ++j) s[j] = std::tanh(s[j] * scale / cap) * cap;
+  vec mx = ninf;
+  for (int64_t b = 0; b < NG; ++b) {
+    vec x = load(s + b * W);
+    if (!(cap > 0.f)) x = x * scale;
+    const ivec sel = (ivec{} + int(mask >> (b * W))) & bit;
+    x = sel == bit ? x : ninf;
+    store(s + b * W, x);
+    mx = mx > x ? mx : x;  // vmaxps
+  }
+#if defined(__AVX512F__)
+  const float top = _mm512_reduce_max_ps(reinterpret_cast<__m512>(mx));
+#else
+  __m128 h4 = _mm_max_ps(_mm256_castps256_ps128(reinterpret_cast<__m256>(mx)), _mm256_extractf128_ps(reinterpret_cast<__m256>(mx), 1));
+  h4 = _mm_max_ps(h4, _mm_movehl_ps(h4, h4));
+  h4 = _mm_max_ss(h4, _mm_movehdup_ps(h4));
+  const float top = _mm_cvtss_f32(h4);
+#endif
+  const float best = std::max(m, top);
+#else
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), sc = _mm256_set1_ps(scale);
   const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   if (cap > 0.f)  // Gemma 2: scores squashed into (-cap, cap)
@@ -895,6 +960,7 @@ __attribute__((always_inline)) inline void row_max(float* s, uint32_t mask, floa
   h4 = _mm_max_ps(h4, _mm_movehl_ps(h4, h4));
   h4 = _mm_max_ss(h4, _mm_movehdup_ps(h4));
   const float best = std::max(m, _mm_cvtss_f32(h4));
+#endif
   delta = m - best;  // -inf on the row's first group (m = -inf): alpha 0
   m = best;
 }
@@ -902,9 +968,15 @@ __attribute__((always_inline)) inline void row_max(float* s, uint32_t mask, floa
 // one row's masked scores s [32], max m, alpha -> its weights p [32] (in place of s), per-lane sum l [8]
 __attribute__((always_inline)) inline void row_weights(float* s, float m, float alpha, float* l) {
   const vec mv = splat(m);
-  vec e[KG / W];
-  for (int64_t b = 0; b < KG / W; ++b) store(s + b * W, e[b] = vexp(load(s + b * W) - mv));  // masked -> 0
-  _mm256_storeu_ps(l, _mm256_fmadd_ps(_mm256_loadu_ps(l), _mm256_set1_ps(alpha), (__m256)((e[0] + e[1]) + (e[2] + e[3]))));
+  vec e[NG];
+  for (int64_t b = 0; b < NG; ++b) store(s + b * W, e[b] = vexp(load(s + b * W) - mv));  // masked -> 0
+  vec sum;
+  if constexpr (NG == 4) {
+    sum = (e[0] + e[1]) + (e[2] + e[3]);
+  } else {
+    sum = e[0] + e[1];
+  }
+  store(l, load(l) * alpha + sum);
 }
 
 // values: R rows' weights p [R][32] times the group's value rows v[j] + head (j < n), into acc[r]
@@ -912,6 +984,24 @@ __attribute__((always_inline)) inline void row_weights(float* s, float m, float 
 template <int R, int CB>
 inline void values(const float* p, const float* alpha, const float* const* v, int64_t head, int64_t n, int64_t D,
                    float* const* acc, Ahead* ahead = nullptr) {
+#if defined(__AVX512F__)
+  for (int64_t c = 0; c < D; c += CB * W) {
+    vec o[R][CB];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < CB; ++b) o[r][b] = load(acc[r] + c + b * W) * alpha[r];
+    for (int64_t j = 0; j < n; ++j) {
+      if (ahead) ahead->step(S_VAL);
+      vec vv[CB];
+      for (int b = 0; b < CB; ++b) vv[b] = load(v[j] + head + c + b * W);
+      for (int r = 0; r < R; ++r) {
+        const vec w = splat(p[r * KG + j]);
+        for (int b = 0; b < CB; ++b) o[r][b] += w * vv[b];
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < CB; ++b) store(acc[r] + c + b * W, o[r][b]);
+  }
+#else
   for (int64_t c = 0; c < D; c += CB * W) {
     __m256 o[R][CB];
     for (int r = 0; r < R; ++r)
@@ -928,6 +1018,7 @@ inline void values(const float* p, const float* alpha, const float* const* v, in
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < CB; ++b) _mm256_storeu_ps(acc[r] + c + b * W, o[r][b]);
   }
+#endif
 }
 
 // R (1 to MAX_RB) as a compile-time constant for f
@@ -949,34 +1040,35 @@ template <int R>
 inline void fold(const int64_t* act, const uint32_t* mask, const float* const* rows, const float* kp,
                  const float* const* v, int64_t head, int64_t n, int64_t D, float scale, float cap, float* m, float* l,
                  float* acc, Ahead& ahead) {
-  alignas(32) float s[R * KG], delta[W] = {}, alpha[W];
+  alignas(64) float s[R * KG], delta[W] = {}, alpha[W];
   const float* q[R];
   float* a[R];
   for (int r = 0; r < R; ++r) q[r] = rows[act[r]], a[r] = acc + act[r] * D;
-  scores<R, (R <= 3 ? 4 : 2)>(q, kp, D, s, &ahead);
+  scores<R, NK<R>>(q, kp, D, s, &ahead);
   for (int r = 0; r < R; ++r) row_max(s + r * KG, mask[r], scale, cap, m[act[r]], delta[r]);
   store(alpha, vexp(load(delta)));
   for (int r = 0; r < R; ++r) row_weights(s + r * KG, m[act[r]], alpha[r], l + act[r] * W);
-  values<R, 2>(s, alpha, v, head, n, D, a, &ahead);
+  values<R, CB>(s, alpha, v, head, n, D, a, &ahead);
 }
 
-}  // namespace lanes8
+}  // namespace keys_in_lanes
 
 // the keys-in-lanes path applies: groups of 32 positions made of whole blocks or within one block, key
 // tiles that span whole groups, D a multiple of 16
-inline bool lanes8_fits(int64_t bs, int64_t D, int64_t KT, const at::Tensor& pair_pos0) {
-  if (!((bs % lanes8::KG == 0 || lanes8::KG % bs == 0) && (KT * bs) % lanes8::KG == 0 && D % 16 == 0 && D <= 512))
+inline bool keys_in_lanes_fits(int64_t bs, int64_t D, int64_t KT, const at::Tensor& pair_pos0) {
+  if (!((bs % keys_in_lanes::KG == 0 || keys_in_lanes::KG % bs == 0) && (KT * bs) % keys_in_lanes::KG == 0 && D % (keys_in_lanes::CB * keys_in_lanes::W) == 0 &&
+        D <= 512))
     return false;
   const int64_t* p0 = pair_pos0.data_ptr<int64_t>();
   for (int64_t p = 0; p < pair_pos0.size(0); ++p)
-    if (p0[p] % lanes8::KG) return false;
+    if (p0[p] % keys_in_lanes::KG) return false;
   return true;
 }
 
-void attend_lanes8(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_pos,
+void attend_keys_in_lanes(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_pos,
                    const at::Tensor& pair_blocks, const at::Tensor& pair_pos0, const std::vector<int64_t>& start,
                    const std::vector<int64_t>& order, double scale, int64_t window, double softcap, at::Tensor& out) {
-  using namespace lanes8;
+  using namespace keys_in_lanes;
   const int64_t N = tl.N, Qt = tl.Qt, Hkv = q.size(1), G = q.size(2), D = q.size(3);
   const int64_t bs = k_cache.size(2), KT = pair_blocks.size(1), QG = Qt * G, num_blocks = k_cache.size(0);
   const float* qp = q.data_ptr<float>();
@@ -1032,7 +1124,7 @@ void attend_lanes8(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cac
           for (int64_t i = 0; i < na; i += MAX_RB) {
             const int64_t R = std::min<int64_t>(MAX_RB, na - i);
             for (int64_t r = 0; r < R; ++r) qrun[r] = rows[act[i + r]];
-            with_rows(R, [&](auto RR) { scores<RR, (RR <= 3 ? 4 : 2)>(qrun.data(), kpack.data(), D, sc.data() + i * KG); });
+            with_rows(R, [&](auto RR) { scores<RR, NK<RR>>(qrun.data(), kpack.data(), D, sc.data() + i * KG); });
           }
           for (int64_t i = 0; i < na; ++i) row_max(sc.data() + i * KG, amask[i], fscale, cap, m[act[i]], delta[i]);
           for (int64_t i = 0; i < na; i += W) store(alpha.data() + i, vexp(load(delta.data() + i)));
@@ -1040,19 +1132,17 @@ void attend_lanes8(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cac
           for (int64_t i = 0; i < na; i += MAX_RB) {
             const int64_t R = std::min<int64_t>(MAX_RB, na - i);
             for (int64_t r = 0; r < R; ++r) arun[r] = acc.data() + act[i + r] * D;
-            with_rows(R, [&](auto RR) { values<RR, 2>(sc.data() + i * KG, alpha.data() + i, vrow.data(), hh * head, nk, D, arun.data()); });
+            with_rows(R, [&](auto RR) { values<RR, CB>(sc.data() + i * KG, alpha.data() + i, vrow.data(), hh * head, nk, D, arun.data()); });
           }
         }
         ahead.rest();
       }
       for (int64_t r = 0; r < rows_n; ++r) {
         if (!tl.write_pad && qpos[n * Qt + r % QG / G] >= PAD_POS) continue;
-        alignas(32) float t[W];
-        std::memcpy(t, &l[r * W], sizeof t);
-        const float sum = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+        const float sum = lane_total<W>(&l[r * W]);
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
         float* dst = op + (rows[r] - qp);  // the output sits where the row's query does
-        for (int64_t d = 0; d < D; d += W) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(&acc[r * D + d]), _mm256_set1_ps(inv)));
+        for (int64_t d = 0; d < D; d += W) store(dst + d, load(&acc[r * D + d]) * inv);
       }
     }
   });
@@ -1099,10 +1189,10 @@ void attend(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache, con
     }
   }
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<T, float>) {
-    if (lanes8_fits(bs, D, KT, pair_pos0)) {
-      attend_lanes8(q, tl, k_cache, v_cache, q_pos, pair_blocks, pair_pos0, start, order, scale, window, softcap, out);
+    if (keys_in_lanes_fits(bs, D, KT, pair_pos0)) {
+      attend_keys_in_lanes(q, tl, k_cache, v_cache, q_pos, pair_blocks, pair_pos0, start, order, scale, window, softcap, out);
       return;
     }
   }
@@ -1113,7 +1203,8 @@ void attend(const at::Tensor& q, const Tiles& tl, const at::Tensor& k_cache, con
   // paths above). A prompt chunk reads its blocks AHEAD positions before their fold, in bursts; a decode
   // tile reads its first block so, then asks for each next block's lines from inside the folds of the one
   // before (Ahead). float32 decode attention alone on the 2-core Xeon (AVX-512, 30 layers, in-process
-  // A/B, median of 7, the same bits): batch 64 59.3 -> 49.7 ms a step; all heads a task with bursts
+  // A/B, median of 7, the same bits; float32 there has since moved to the keys-in-lanes path): batch 64
+  // 59.3 -> 49.7 ms a step; all heads a task with bursts
   // 54.5, a burst of prefetches a block or two ahead 55-57; spread at one line a key 55.0, at four 53.9.
   // Prompt chunks on Ahead were slower (4,096 tokens 0.955x), so they keep their bursts.
   const int64_t split = Qt == 1 && N >= 4 * at::get_num_threads() ? 1 : Hkv, width = Hkv / split;
