@@ -113,7 +113,7 @@ struct Residual {
 // `lines` lines from p, `per` at each k. At decode's few rows a task's first pass over its block streamed
 // it from memory while the FMAs waited, and its other passes computed while the memory idled. SmolLM2-135M's
 // four matrices, 30 layers, float32 on the 2-core Xeon with AVX-512 (in-process A/B, median of 11, the
-// same bits): 64 rows 1.07-1.16x, 32 rows 1.05-1.38x, 256 rows 1.04-1.13x, one row level. At 1,024 and
+// same bits): 64 rows 1.05-1.13x, 256 rows 1.05-1.09x, 2 to 32 rows 1.04-1.44x, one row level. At 1,024 and
 // 3,757 rows it was 0.95-1.06x by matrix, so prompt-sized products (over 256 rows) ask for nothing.
 // Balancing 64 rows' 9 column blocks over 2 threads by splitting the rows as well gained nothing over it.
 // Not measured on an AVX2 machine.
