@@ -933,15 +933,7 @@ __attribute__((always_inline)) inline void row_max(float* s, uint32_t mask, floa
     store(s + b * W, x);
     mx = mx > x ? mx : x;  // vmaxps
   }
-#if defined(__AVX512F__)
-  const float top = _mm512_reduce_max_ps(reinterpret_cast<__m512>(mx));
-#else
-  __m128 h4 = _mm_max_ps(_mm256_castps256_ps128(reinterpret_cast<__m256>(mx)), _mm256_extractf128_ps(reinterpret_cast<__m256>(mx), 1));
-  h4 = _mm_max_ps(h4, _mm_movehl_ps(h4, h4));
-  h4 = _mm_max_ss(h4, _mm_movehdup_ps(h4));
-  const float top = _mm_cvtss_f32(h4);
-#endif
-  const float best = std::max(m, top);
+  const float best = std::max(m, _mm512_reduce_max_ps(reinterpret_cast<__m512>(mx)));
 #else
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), sc = _mm256_set1_ps(scale);
   const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
