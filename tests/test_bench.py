@@ -136,6 +136,52 @@ def test_a_peer_that_is_not_installed_is_left_out_with_a_line(tiny_model_dir, mo
     assert any(line.startswith("vllm-generate left out: vLLM is not installed") for line in lines)
 
 
+class PrefixCachingLLMDouble:
+    """A test double for vllm.LLM, with its prefix cache: a prompt it has seen since the last
+    reset_prefix_cache comes back with its whole 16-token blocks counted as cached, as vLLM reports."""
+
+    def __init__(self, **kwargs):
+        self.seen: set[tuple[int, ...]] = set()
+        self.calls: list[str] = []
+
+    def reset_prefix_cache(self):
+        self.seen.clear()
+        self.calls.append("reset")
+        return True
+
+    def generate(self, prompts, params, use_tqdm=False):
+        import types
+
+        self.calls.append("generate")
+        outs = []
+        for p in prompts:
+            ids = tuple(p["prompt_token_ids"])
+            cached = (len(ids) - 1) // 16 * 16 if ids in self.seen else 0
+            self.seen.add(ids)
+            outs.append(types.SimpleNamespace(num_cached_tokens=cached,
+                                              outputs=[types.SimpleNamespace(token_ids=[1] * params.max_tokens)]))
+        return outs
+
+
+def test_vllm_generate_computes_every_repeats_prompts(monkeypatch):
+    """The bench sends vLLM the same prompts in its warm-up and every repeat; each call is made on an
+    emptied prefix cache (vLLM's default stays on), so no repeat is served from the one before."""
+    import vllm
+
+    from batchgen.benchmarks import peers
+
+    monkeypatch.setattr(vllm, "LLM", PrefixCachingLLMDouble)
+    runner = peers.VllmOwnRunner("model", "float32", 2, 64, 1 << 20)
+    prompts = [list(range(5, 45)), list(range(50, 90)), list(range(100, 140))]
+    got = [runner.run(prompts, 2, 3) for _ in range(3)]
+    assert [g["cached_prompt_tokens"] for g in got] == [0, 0, 0]
+    assert [g["tokens"] for g in got] == [9, 9, 9]
+    calls = runner.llm.calls
+    assert calls == ["reset", "generate"] * (1 + 2 * 3)  # the warm-up, then two calls (of 2 and 1 prompts) a run
+    again = runner.llm.generate([{"prompt_token_ids": prompts[2]}], vllm.SamplingParams(max_tokens=1))
+    assert again[0].num_cached_tokens == 32  # without the reset the double serves a repeat, as vLLM does
+
+
 class DyingVllmDouble:
     """A test double for the vLLM peer (peers.VllmOwnRunner) that dies as vLLM 0.32 on CPU does on seeded
     sampled rows: greedy runs give every prompt its tokens; the first sampled run raises, and so does

@@ -165,6 +165,28 @@ def test_vllm_rejects_a_request_it_cannot_take_as_a_row_error(runs, workers):
     assert not engine.has_unfinished()
 
 
+def test_a_prompt_run_again_is_served_by_vllms_prefix_cache_until_it_is_emptied(runs, workers):
+    """vLLM keeps its prefix cache on by default, so the same prompts sent again (a benchmark's warm-up
+    and repeats) are served, not computed; VllmEngine.reset_prefix_cache empties it, which the
+    benchmarks do before each run (batchgen.benchmarks.peers and vllm_wrapper)."""
+    from batchgen.benchmarks.bench import run_engine
+    from batchgen.model.prepare import resolve_model
+
+    cfg = RunConfig(inputs=("x",), output_dir="x", engine="vllm", engine_options=EAGER,
+                    engine_config=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512))
+    engine = workers["vllm"].load_engine(cfg, resolve_model(cfg.model))  # the engine the vllm run left loaded
+    prompts = [[1 + (7 * i + j) % 4000 for j in range(300)] for i in range(3)]  # whole blocks (128 on CPU)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.reset_prefix_cache()
+    first = run_engine(engine, prompts, 3, params, None, "p1")
+    again = run_engine(engine, prompts, 3, params, None, "p2")
+    engine.reset_prefix_cache()
+    emptied = run_engine(engine, prompts, 3, params, None, "p3")
+    assert first["cached_prompt_tokens"] == 0 == emptied["cached_prompt_tokens"]
+    assert again["cached_prompt_tokens"] >= 3 * 128  # each prompt's whole blocks
+    assert first["outputs"] == again["outputs"] == emptied["outputs"]
+
+
 def test_greedy_outputs_match_between_engines(runs):
     native = {r["id"]: r["output_token_ids"] for r in tables(runs["native"][1])["requests"].to_pylist()}
     vllm = {r["id"]: r["output_token_ids"] for r in tables(runs["vllm"][1])["requests"].to_pylist()}

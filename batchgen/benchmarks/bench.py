@@ -160,7 +160,7 @@ def _percentiles(gaps: list[float]) -> dict[str, float | None]:
 def run_engine(engine, prompt_ids: list[list[int]], batch: int, params: SamplingParams, peak_bw: float | None,
                tag: str) -> dict:
     """Feed `batch` prompts at a time, step to the end; tokens, seconds, ITL gaps, MBU, drafts."""
-    tokens = bytes_read = drafts = accepted = dec_bytes = dec_tokens = pre_tokens = 0
+    tokens = bytes_read = drafts = accepted = dec_bytes = dec_tokens = pre_tokens = cached = 0
     dec_s = pre_s = 0.0
     dec_steps: list[float] = []
     picks = hasattr(engine, "sample_seconds")  # the native engine's time choosing tokens; peers report none
@@ -195,6 +195,7 @@ def run_engine(engine, prompt_ids: list[list[int]], batch: int, params: Sampling
                 last[rid] = r.end_t
             for f in r.finished:
                 outputs[int(f.request_id.rsplit("-", 1)[1])] = list(f.output_token_ids)
+                cached += f.num_cached_tokens or 0
         seconds += time.perf_counter() - t0
     return {"tokens": tokens, "seconds": seconds, **_percentiles(gaps),
             "mbu": bytes_read / seconds / peak_bw if peak_bw and seconds else None,
@@ -207,7 +208,7 @@ def run_engine(engine, prompt_ids: list[list[int]], batch: int, params: Sampling
             "sample_share": pick_s / dec_s if picks and dec_s else None,
             "decode_tok_per_s": dec_tokens / dec_s if dec_s else None,
             "prefill_tok_per_s": pre_tokens / pre_s if pre_s else None,
-            "outputs": [outputs[i] for i in sorted(outputs)]}
+            "cached_prompt_tokens": cached, "outputs": [outputs[i] for i in sorted(outputs)]}
 
 
 def prompt_token_flops(model_dir) -> int:
@@ -332,6 +333,8 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
         if m.engine.startswith("native") and m.prefill_tok_per_s and peak_flops.get(m.dtype):
             m.prefill_mfu = m.prefill_tok_per_s * flops_per_token / peak_flops[m.dtype]
         results.append(m)
+        if m.cached_prompt_tokens:  # a run's prompts are new to every engine: a hit means one was served, not computed
+            log(f"  WARNING: {m.engine} batch {m.batch}: {m.cached_prompt_tokens} prompt tokens came from its prefix cache")
         log(f"  {m.engine:<15} {m.dtype:<9} batch {m.batch:>3} {m.mode:<8} {m.workload:<5} k={m.speculative_k} "
             f"{m.tok_per_s:8.1f} tok/s")
         return m

@@ -42,6 +42,7 @@ class Measurement:
     decode_tok_per_s: float | None = None  # tokens of the decode-only steps over their seconds
     prefill_tok_per_s: float | None = None  # prompt tokens over the seconds of the steps that computed them
     prefill_mfu: float | None = None  # those tokens' matmul FLOPs per second over this run's peak in the dtype
+    cached_prompt_tokens: int | None = None  # served by the engine's prefix cache (0: every prompt computed)
     outputs: list = field(default_factory=list, repr=False)  # token ids per prompt (not written)
 
     @property

@@ -9,7 +9,8 @@ ignored), max_num_seqs and KV memory, in one process and one run:
 - `batchgen, enforce_eager`: the same with vLLM's eager mode, what batchgen forced on CPU before.
 
 Each is warmed up once at the batch (untimed; its start-up, compile included, is printed), then the
-three take turns `--repeats` times; tok/s is output tokens over the seconds from the batch's first
+three take turns `--repeats` times, each run's prompts new to its prefix cache (emptied before each run:
+the repeats send the same prompts, and a dataset job sends a prompt once); tok/s is output tokens over the seconds from the batch's first
 request to its last token, prefill included; the median is kept and the spread printed, with the ratios
 against LLM.generate, the share of rows whose tokens equal LLM.generate's, and the run conditions.
 """
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         engine = VllmEngine(model_dir, EngineConfig(dtype=args.dtype, max_num_seqs=args.batch, max_model_len=max_len,
                                                     kv_cache_tokens=kv_tokens), options=options)
         engines.append(engine)
-        variants[name] = lambda engine=engine, name=name: run_engine(engine, prompts, args.batch, params, None, name)
+        variants[name] = lambda engine=engine, name=name: (  # each run's prompts new to it, as LLM.generate's are
+            engine.reset_prefix_cache(), run_engine(engine, prompts, args.batch, params, None, name))[1]
         startup[name] = time.perf_counter() - t0
     rates: dict[str, list[float]] = {name: [] for name in variants}
     outputs: dict[str, list] = {name: [] for name in variants}

@@ -407,7 +407,7 @@ class VllmEngine(Engine):
                     out.request_id, tracked.prompt_tokens, tracked.token_ids, tracked.text,
                     "stop" if completion.finish_reason == "stop" else "length", tracked.enqueue_t,
                     min(tracked.schedule_t, tracked.first_token_t or end_t), tracked.first_token_t or end_t,
-                    tracked.last_token_t or end_t))
+                    tracked.last_token_t or end_t, num_cached_tokens=getattr(out, "num_cached_tokens", None)))
         num_tokens = len(res.token_request_ids)
         res.num_running = stats.num_running or len({r for r in res.token_request_ids})
         res.num_waiting = stats.num_waiting
@@ -443,6 +443,12 @@ class VllmEngine(Engine):
             self.engine.abort_request(ids)
         self._requests.clear()
         return ids
+
+    def reset_prefix_cache(self) -> None:
+        """Empty vLLM's prefix cache between runs of the same prompts (a benchmark's repeats), so that each
+        run computes its prompts as a dataset job's first and only run does."""
+        if self._requests or not self.engine.reset_prefix_cache():
+            raise RuntimeError("vLLM's prefix cache was not emptied: requests are in flight")
 
     def conditions(self) -> dict[str, Any]:
         c = self.config
