@@ -238,19 +238,28 @@ def test_a_peer_that_dies_is_reported_and_the_bench_goes_on(tiny_model_dir, monk
 
 def test_vllm_generate_runs_one_dtype_when_named_with_it(tiny_model_dir, monkeypatch):
     """`vllm-generate:fp32` starts and measures vLLM's float32 engine only (on a CPU without bf16 math
-    its bf16 crawls); a dtype it does not know is refused before anything starts."""
+    its bf16 crawls); a dtype it does not know is refused before anything starts. Each cell records the
+    prompt tokens a prefix cache served, and the bench warns where any were (none for native here)."""
     import sys
     import types
 
     from batchgen.benchmarks import peers
 
+    class ServedVllmDouble(DyingVllmDouble):  # a peer that reports prompt tokens from its prefix cache
+        def run(self, *args, **kwargs):
+            return {**super().run(*args, **kwargs), "cached_prompt_tokens": 32}
+
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))  # "installed"; the double stands in for it
-    monkeypatch.setattr(peers, "VllmOwnRunner", DyingVllmDouble)
+    monkeypatch.setattr(peers, "VllmOwnRunner", ServedVllmDouble)
     monkeypatch.setattr(DyingVllmDouble, "closed", [])
+    lines = []
     results, _ = run_bench(tiny_model_dir, ["native", "vllm-generate:fp32"], [2], ["greedy"], new_tokens=2,
-                           speculative_k=0, log=lambda line: None, native_variants=("eager",))
+                           speculative_k=0, log=lines.append, native_variants=("eager",))
     assert sorted({(m.engine, m.dtype) for m in results}) == [("native", "float32"), ("vllm-generate:fp32", "float32")]
     assert DyingVllmDouble.closed == ["float32"]
+    assert {m.engine: m.cached_prompt_tokens for m in results} == {"native": 0, "vllm-generate:fp32": 32}
+    assert [line for line in lines if "WARNING" in line] == [
+        "  WARNING: vllm-generate:fp32 batch 2: 32 prompt tokens came from its prefix cache"]
     with pytest.raises(ValueError, match="unknown engine 'vllm-generate:fp16'"):
         run_bench(tiny_model_dir, ["native", "vllm-generate:fp16"], [2], ["greedy"], new_tokens=2, speculative_k=0,
                   log=lambda line: None, native_variants=("eager",))

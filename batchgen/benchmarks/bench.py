@@ -334,7 +334,8 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
             m.prefill_mfu = m.prefill_tok_per_s * flops_per_token / peak_flops[m.dtype]
         results.append(m)
         if m.cached_prompt_tokens:  # a run's prompts are new to every engine: a hit means one was served, not computed
-            log(f"  WARNING: {m.engine} batch {m.batch}: {m.cached_prompt_tokens} prompt tokens came from its prefix cache")
+            log(f"  WARNING: {m.engine} batch {m.batch}: {m.cached_prompt_tokens} prompt tokens came from its "
+                "prefix cache")
         log(f"  {m.engine:<15} {m.dtype:<9} batch {m.batch:>3} {m.mode:<8} {m.workload:<5} k={m.speculative_k} "
             f"{m.tok_per_s:8.1f} tok/s")
         return m

@@ -9,10 +9,11 @@ ignored), max_num_seqs and KV memory, in one process and one run:
 - `batchgen, enforce_eager`: the same with vLLM's eager mode, what batchgen forced on CPU before.
 
 Each is warmed up once at the batch (untimed; its start-up, compile included, is printed), then the
-three take turns `--repeats` times, each run's prompts new to its prefix cache (emptied before each run:
-the repeats send the same prompts, and a dataset job sends a prompt once); tok/s is output tokens over the seconds from the batch's first
-request to its last token, prefill included; the median is kept and the spread printed, with the ratios
-against LLM.generate, the share of rows whose tokens equal LLM.generate's, and the run conditions.
+three take turns `--repeats` times, each run on an emptied prefix cache (the repeats send the same
+prompts, and a dataset job sends a prompt once); tok/s is output tokens over the seconds from the
+batch's first request to its last token, prefill included; the median is kept and the spread printed,
+with the ratios against LLM.generate, the share of rows whose tokens equal LLM.generate's, and the run
+conditions.
 """
 
 from __future__ import annotations

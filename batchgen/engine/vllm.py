@@ -447,8 +447,10 @@ class VllmEngine(Engine):
     def reset_prefix_cache(self) -> None:
         """Empty vLLM's prefix cache between runs of the same prompts (a benchmark's repeats), so that each
         run computes its prompts as a dataset job's first and only run does."""
-        if self._requests or not self.engine.reset_prefix_cache():
-            raise RuntimeError("vLLM's prefix cache was not emptied: requests are in flight")
+        if self._requests:
+            raise RuntimeError(f"vLLM's prefix cache is not emptied with {len(self._requests)} requests in flight")
+        if not self.engine.reset_prefix_cache():
+            raise RuntimeError("vLLM did not empty its prefix cache (reset_prefix_cache returned False)")
 
     def conditions(self) -> dict[str, Any]:
         c = self.config
