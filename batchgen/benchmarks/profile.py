@@ -15,8 +15,8 @@ prefill steps and its decode steps apart. Each op's own time (self CPU time) is 
     python -m batchgen.benchmarks.profile --batches 1,64,256
 
 The engine runs with the defaults a user gets (`--dtype auto`, or the dtype `--dtype` names; compile
-on after a warm-up that compiles every bucket the measured steps use). The profiler adds its own cost to each op; the shares
-are what to read, not the absolute times.
+on after a warm-up that compiles every bucket the measured steps use). The profiler adds its own cost
+to each op; the shares are what to read, not the absolute times.
 """
 
 from __future__ import annotations
