@@ -122,8 +122,14 @@ def test_the_pairs_are_a_dynamic_size_so_a_rows_bucket_compiles_once(tiny_model_
     assert got == ref and g.dynamic_pairs and {P for _, P in g.buckets} == {2, 4, 8}
     assert g.num_compiles == 1 and g.compiled_rows == {1} and g.compile_s > 0
     assert all(st.compiled for st in g.buckets.values()) and "1 compiled so far" in e.conditions()["cuda_graphs"]
-    # the static sizes, for contrast: one compile per pairs bucket
-    static, e = one_long_row(tiny_model_dir, attention_backend=backend, dynamic_pairs=False)
+
+
+def test_static_pairs_compile_once_per_pairs_bucket(tiny_model_dir, tmp_path, monkeypatch):
+    """The static sizes (the step A/B benchmark's contrast), on the PyTorch backend: one compile per
+    pairs bucket, the eager step's tokens."""
+    monkeypatch.setenv("BATCHGEN_HOME", str(tmp_path))
+    ref, _ = one_long_row(tiny_model_dir, compile="off", attention_backend="torch")
+    static, e = one_long_row(tiny_model_dir, attention_backend="torch", dynamic_pairs=False)
     g = e.runner.graphs
     assert static == ref and {P for _, P in g.buckets} == {1, 2, 4, 8} and g.num_compiles == 4
 
