@@ -91,6 +91,16 @@ def tables(run_dir):
     return {t: read_run_table(run_dir, t) for t in SCHEMAS}
 
 
+def module_vllm(runs, workers):
+    """The vLLM engine the runs fixture left loaded (the same settings: no new start); skips (fails in CI)
+    where vLLM does not import."""
+    from batchgen.model.prepare import resolve_model
+
+    runs["vllm"]
+    cfg = RunConfig(inputs=("x",), output_dir="x", engine="vllm", engine_options=EAGER, engine_config=CONFIG)
+    return workers["vllm"].load_engine(cfg, resolve_model(cfg.model))
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_same_schema(runs, engine):
     t = tables(runs[engine][1])
@@ -158,11 +168,7 @@ def test_same_error_handling(runs, engine):
 
 
 def test_vllm_rejects_a_request_it_cannot_take_as_a_row_error(runs, workers):
-    cfg = RunConfig(inputs=("x",), output_dir="x", engine="vllm", engine_options=EAGER,
-                    engine_config=CONFIG)
-    from batchgen.model.prepare import resolve_model
-
-    engine = workers["vllm"].load_engine(cfg, resolve_model(cfg.model))  # the engine the vllm run left loaded
+    engine = module_vllm(runs, workers)
     with pytest.raises(RequestRejected, match="maximum context length is 512"):
         engine.add("direct", list(range(10, 700)), SamplingParams(max_tokens=2))
     assert not engine.has_unfinished()
@@ -173,11 +179,8 @@ def test_a_prompt_run_again_is_served_by_vllms_prefix_cache_until_it_is_emptied(
     and repeats) are served, not computed; VllmEngine.reset_prefix_cache empties it, which the
     benchmarks do before each run (batchgen.benchmarks.peers and vllm_wrapper)."""
     from batchgen.benchmarks.bench import run_engine
-    from batchgen.model.prepare import resolve_model
 
-    cfg = RunConfig(inputs=("x",), output_dir="x", engine="vllm", engine_options=EAGER,
-                    engine_config=CONFIG)
-    engine = workers["vllm"].load_engine(cfg, resolve_model(cfg.model))  # the engine the vllm run left loaded
+    engine = module_vllm(runs, workers)
     prompts = [[1 + (7 * i + j) % 4000 for j in range(300)] for i in range(3)]  # whole blocks (128 on CPU)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     engine.reset_prefix_cache()
@@ -196,13 +199,9 @@ def test_vllm_on_cpu_samples_seeded_rows_whose_prompts_take_several_steps(runs, 
     CUDA's generator has). batchgen starts it on CPU with whole prompts a step: every row completes, and
     a row's seeded tokens are the same when the rows come in the other order. On the module's engine (a
     512-token budget: two of these prompts a step, where chunked prefill would split the third)."""
-    from batchgen.model.prepare import resolve_model
-
     from test_engine import run_all
 
-    runs["vllm"]  # skips (fails in CI) where vLLM does not import
-    cfg = RunConfig(inputs=("x",), output_dir="x", engine="vllm", engine_options=EAGER, engine_config=CONFIG)
-    e = workers["vllm"].load_engine(cfg, resolve_model(cfg.model))  # the engine the vllm run left loaded
+    e = module_vllm(runs, workers)
     assert e.options["enable_chunked_prefill"] is False and e.options["max_num_batched_tokens"] == 512
     rows = {f"r{i}": list(range(1000 + 7 * i, 1200 + 9 * i)) for i in range(8)}  # 200-214 tokens: 1,656 in all
     outputs = []
@@ -211,6 +210,8 @@ def test_vllm_on_cpu_samples_seeded_rows_whose_prompts_take_several_steps(runs, 
             e.add(rid, rows[rid], SamplingParams(max_tokens=6, temperature=0.8, seed=int(rid[1:]), ignore_eos=True))
         steps, done = run_all(e)
         assert len(steps) > 6 + 1 and all(len(done[r].output_token_ids) == 6 for r in rows)
+        prefills = [s.num_prefill_tokens for s in steps if s.num_prefill_tokens]
+        assert sum(prefills) == sum(map(len, rows.values())) and len(prefills) >= 4, prefills  # the budget split them
         outputs.append({r: done[r].output_token_ids for r in rows})
     assert outputs[0] == outputs[1]
 
