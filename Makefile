@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: setup model demo test test-fast clean
+.PHONY: setup model demo test test-fast bench-targets clean
 
 setup: $(VENV)/.installed
 
@@ -47,6 +47,12 @@ test: model
 # the inner loop: no real-model end-to-end runs, no vLLM / Prefect server / Ray start-ups
 test-fast: model
 	$(PYTEST) -m "not slow and not heavy" $(PYTEST_ARGS)
+
+# the engine's speed targets on this machine: the series of bench runs that measures each one (about 75
+# minutes on a 2-core CPU), into runs/targets-<time>/, then their table (batchgen.benchmarks.judge).
+# Not part of the tests: speed is measured, never asserted. llama.cpp needs the peers extra.
+bench-targets: model
+	$(PY) -m batchgen.benchmarks.judge run
 
 clean:
 	rm -rf $(VENV) runs

@@ -294,7 +294,6 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
               prompt_tokens: int | None = None) -> tuple[list[Measurement], dict]:
     """`prompt_tokens`: every prompt that long (sized_prompt_ids), instead of the few-shot prompts of
     100 to 500 tokens (few_shot_prompt_ids)."""
-    from batchgen.metrics.conditions import cpu_features, cpu_model, package_versions
     from batchgen.metrics.probe import cached_probe, peak_read, probe_device
     from batchgen.model.tokenizer import Tokenizer
 
@@ -469,15 +468,13 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                 del engine
                 gc.collect()
     compare(results)
-    conditions = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": str(model_dir), "cpu": cpu_model(),
-                  "cpu_features": cpu_features(),
-                  "machine": platform.machine(), "cores": os.cpu_count(), "new_tokens": new_tokens, "repeats": repeats,
+    conditions = {**run_conditions(model_dir, new_tokens, repeats),
                   "peak_read_bytes_per_s": peak_bw, "probe": "measured at the start of this run",
                   "peak_read_beside_repeats": [b for b in beside if b],  # each cell's MBU is against its repeat's
                   "peak_flops": peak_flops, "prompt_token_flops": flops_per_token,
                   "cached_probe_read_bytes_per_s": probe.get("peak_read_bytes_per_s"),
                   "cached_probe": f"{probe.get('probe_source')}, measured {probe.get('probe_measured_at')}",
-                  "torch_threads": _threads(), "packages": package_versions(), "peers_failed": failed,
+                  "peers_failed": failed,
                   "prompts": (f"chat prompts of {prompt_tokens} tokens (held instructions joined and cut)"
                               if prompt_tokens else f"few-shot chat prompts of the held tasks, {min(map(len, held))} to "
                                                     f"{max(map(len, held))} tokens")}
@@ -602,6 +599,16 @@ def _start_peer(name: str, gguf: list[Path], model_dir, batches: list[int], max_
             cells.append(((f"vllm-generate:{'fp32' if dtype == 'float32' else 'bf16'}", dtype, measure, None),
                           runner.close))
     return cells
+
+
+def run_conditions(model_dir, new_tokens: int, repeats: int) -> dict:
+    """What every bench run records of its conditions: when, the model, the CPU (its name, family,
+    model and vector flags, read at run time), cores, torch threads and the packages' versions."""
+    from batchgen.metrics.conditions import cpu_features, cpu_model, package_versions
+
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": str(model_dir), "cpu": cpu_model(),
+            "cpu_features": cpu_features(), "machine": platform.machine(), "cores": os.cpu_count(),
+            "new_tokens": new_tokens, "repeats": repeats, "torch_threads": _threads(), "packages": package_versions()}
 
 
 def _threads() -> int:

@@ -6,7 +6,7 @@ engines and makes the measurements; nothing here runs a model."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 
@@ -96,6 +96,17 @@ def write_parquet(results: list[Measurement], conditions: dict, path: Path) -> P
     return path
 
 
+def read_results(path: Path) -> tuple[list[Measurement], dict]:
+    """A bench run's Parquet back as its Measurements (without their tokens) and its conditions."""
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(path).to_pylist()
+    if not rows:
+        raise ValueError(f"{path}: no measurements in it")
+    names = {f.name for f in fields(Measurement)} - {"outputs"}
+    return [Measurement(**{k: v for k, v in r.items() if k in names}) for r in rows], json.loads(rows[0]["conditions"])
+
+
 def _fmt(x, spec: str, none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
@@ -155,18 +166,55 @@ def format_bench(results: list[Measurement], conditions: dict) -> str:
     return "\n".join(lines)
 
 
-def targets(results: list[Measurement], conditions: dict | None = None) -> list[str]:
-    """The issue's targets for this machine, as met / missed, from this run's figures. The native fp32
-    figure is the better of eager and compiled (the two rows above it); which one is named."""
+@dataclass(frozen=True)
+class Verdict:
+    """One of the issue's targets, judged on one run's figures: `score` (a ratio against a peer in the
+    same run, or a share of the machine's measured peak) against `goal`. `native` and `peer` are the
+    figures behind it, as a table cell shows them; `line` is the sentence the bench prints."""
+    workload: str  # what was measured: "batch 64, bfloat16", "batch 1, decode steps, native:auto (float32)"
+    native: str  # the judged engine's figure: "429.2 tok/s (native:auto)"
+    peer: str  # what it is held against: "vLLM `generate` 224.5", "the probe's bfloat16 matmul peak, 1,474 GFLOP/s"
+    score: float
+    goal: float
+    kind: str  # "x": a ratio against the peer; "MFU" or "MBU": a share of the peak
+    line: str
+
+    @property
+    def met(self) -> bool:
+        return self.score >= self.goal
+
+    @property
+    def verdict(self) -> str:
+        return "met" if self.met else "MISSED"
+
+
+def _cell(results: list[Measurement], engine: str, batch: int, mode: str) -> Measurement | None:
+    return next((m for m in results if m.section == "grid" and (m.engine, m.batch, m.mode) == (engine, batch, mode)),
+                None)
+
+
+def _ratio(workload: str, native: str, peer: str, score: float, goal: float, line: str) -> Verdict:
+    return Verdict(workload, native, peer, score, goal, "x",
+                   f"{line}: {score:.2f}x (target {goal}x) {'met' if score >= goal else 'MISSED'}")
+
+
+def verdicts(results: list[Measurement], conditions: dict | None = None) -> list[Verdict]:
+    """The issue's targets for this machine, judged on this run's figures (those it measured: a run
+    of some engines and batches judges the targets they make). The native figure against a peer is the
+    best native row in the peer's dtype."""
+    c = conditions or {}
+
     def get(engine, batch, mode):
-        return next((m for m in results if m.section == "grid" and (m.engine, m.batch, m.mode) == (engine, batch, mode)),
-                    None)
+        return _cell(results, engine, batch, mode)
 
     def fp32(batch, mode):
         got = [m for m in (get("native", batch, mode), get("native:compiled", batch, mode)) if m]
         return max(got, key=lambda m: m.tok_per_s) if got else None
 
-    out = ["targets (this run):"]
+    def tok(m: Measurement, rate: float | None = None) -> str:
+        return f"{m.tok_per_s if rate is None else rate:.1f} tok/s ({m.engine})"
+
+    out: list[Verdict] = []
     grid = [m for m in results if m.section == "grid"]
     for b in (64, 256):  # against vLLM's own generate, in its dtype, prefill included
         for dtype, tag in (("float32", "fp32"), ("bfloat16", "bf16")):
@@ -176,59 +224,65 @@ def targets(results: list[Measurement], conditions: dict | None = None) -> list[
             auto = get("native:auto", b, "greedy")
             if peer and mine:
                 best = max(mine, key=lambda m: m.tok_per_s)
-                r = best.tok_per_s / peer.tok_per_s
-                out.append(f"  batch {b} {dtype} greedy, {best.engine} / vLLM's generate: {r:.2f}x (target 1.2x) "
-                           f"{'met' if r >= 1.2 else 'MISSED'}")
+                out.append(_ratio(f"batch {b}, {dtype}", tok(best), f"vLLM `generate` {peer.tok_per_s:.1f}",
+                                  best.tok_per_s / peer.tok_per_s, 1.2,
+                                  f"  batch {b} {dtype} greedy, {best.engine} / vLLM's generate"))
             elif peer and auto:  # e.g. bf16 on an AVX2 CPU, which has no bf16 math: auto takes float32
-                r = auto.tok_per_s / peer.tok_per_s
-                out.append(f"  batch {b} {dtype} greedy: no native row in {dtype} (--dtype auto takes {auto.dtype} "
-                           f"on this CPU); native:auto / vLLM's generate in {dtype}: {r:.2f}x (target 1.2x) "
-                           f"{'met' if r >= 1.2 else 'MISSED'}")
+                out.append(_ratio(f"batch {b}, vLLM in {dtype}, native:auto in {auto.dtype}", tok(auto),
+                                  f"vLLM `generate` {peer.tok_per_s:.1f}", auto.tok_per_s / peer.tok_per_s, 1.2,
+                                  f"  batch {b} {dtype} greedy: no native row in {dtype} (--dtype auto takes "
+                                  f"{auto.dtype} on this CPU); native:auto / vLLM's generate in {dtype}"))
     for m in grid:  # vLLM through batchgen against vLLM's own generate, same dtype and workload
         peer = get(f"vllm-generate:{'bf16' if m.dtype == 'bfloat16' else 'fp32'}", m.batch, m.mode)
         if m.engine == "vllm" and peer:
-            r = m.tok_per_s / peer.tok_per_s
-            out.append(f"  batch {m.batch} {m.dtype} {m.mode}, batchgen --engine vllm / vLLM's generate: {r:.2f}x "
-                       f"(target 0.95x) {'met' if r >= 0.95 else 'MISSED'}")
+            out.append(_ratio(f"batch {m.batch}, {m.dtype}, `--engine vllm` through batchgen", tok(m),
+                              f"vLLM `generate` {peer.tok_per_s:.1f}", m.tok_per_s / peer.tok_per_s, 0.95,
+                              f"  batch {m.batch} {m.dtype} {m.mode}, batchgen --engine vllm / vLLM's generate"))
     for b in sorted({m.batch for m in grid}):  # what batch invariance (the default) costs: at most 10%
         inv, loose = get("native:auto", b, "greedy"), get("native:loose", b, "greedy")
         if inv and loose:
-            r = inv.tok_per_s / loose.tok_per_s
-            out.append(f"  batch {b} greedy, batch-invariant auto ({inv.dtype}) / auto with --batch-invariant off "
-                       f"({loose.dtype}): {r:.2f}x (target 0.90x) {'met' if r >= 0.9 else 'MISSED'}")
+            out.append(_ratio(f"batch {b}, batch-invariant `auto` ({inv.dtype})", tok(inv),
+                              f"`auto` with `--batch-invariant off` {loose.tok_per_s:.1f}",
+                              inv.tok_per_s / loose.tok_per_s, 0.9, f"  batch {b} greedy, batch-invariant auto ({inv.dtype}) / auto with "
+                                   f"--batch-invariant off ({loose.dtype})"))
     llama = get("llama.cpp", 1, "greedy")
     if llama and llama.decode_tok_per_s:  # batch 1, decode steps only
         for engine in ("native:auto", "native:gguf"):
             m = get(engine, 1, "greedy")
             if m and m.decode_tok_per_s:
-                r = m.decode_tok_per_s / llama.decode_tok_per_s
-                out.append(f"  batch 1 decode, {engine} ({m.dtype}) / llama.cpp Q4_1: {r:.2f}x (target 1.0x) "
-                           f"{'met' if r >= 1.0 else 'MISSED'}; with prefill {m.tok_per_s / llama.tok_per_s:.2f}x")
+                v = _ratio(f"batch 1, decode steps, {engine} ({m.dtype})", tok(m, m.decode_tok_per_s),
+                           f"llama.cpp Q4_1 {llama.decode_tok_per_s:.1f}", m.decode_tok_per_s / llama.decode_tok_per_s,
+                           1.0, f"  batch 1 decode, {engine} ({m.dtype}) / llama.cpp Q4_1")
+                out.append(replace(v, line=f"{v.line}; with prefill {m.tok_per_s / llama.tok_per_s:.2f}x"))
+    peaks = c.get("peak_flops") or {}
     for b in (64,):  # prefill in the chosen dtype against this run's matmul peak in it
         m = get("native:auto", b, "greedy")
         if m and m.prefill_mfu is not None:
-            out.append(f"  batch {b} prefill MFU, native:auto ({m.dtype}): {m.prefill_mfu:.2f} of the peak matmul FLOP/s "
-                       f"(target 0.60 on 64 prompts of 300 tokens; these: {(conditions or {}).get('prompts', 'held')}) "
-                       f"{'met' if m.prefill_mfu >= 0.6 else 'MISSED'}")
+            prompts = c.get("prompts", "held")
+            peak = peaks.get(m.dtype)
+            out.append(Verdict(
+                f"batch {b} prefill, {m.dtype}, {prompts}", f"{m.prefill_tok_per_s:,.0f} prompt tok/s ({m.engine})",
+                f"the probe's {m.dtype} matmul peak" + (f", {peak / 1e9:,.0f} GFLOP/s" if peak else ""),
+                m.prefill_mfu, 0.6, "MFU",
+                f"  batch {b} prefill MFU, native:auto ({m.dtype}): {m.prefill_mfu:.2f} of the peak matmul FLOP/s "
+                f"(target 0.60 on 64 prompts of 300 tokens; these: {prompts}) "
+                f"{'met' if m.prefill_mfu >= 0.6 else 'MISSED'}"))
     # judged at the median step, with the mean beside it: these runs share a noisy machine, and a slow
     # patch of a few seconds moves a run's total time (and so its tok/s) by more than a 5% target
     # (the default, on the bytes its weights take: the GGUF blocks where auto takes them; and fp32's)
     for what, one in (("default", get("native:auto", 1, "greedy")), ("fp32", fp32(1, "greedy"))):
         if one and one.decode_mbu_p50 is not None:
-            peak = "" if one.peak_read_bytes_per_s is None else (
-                f" of a {one.peak_read_bytes_per_s / 1e9:.1f} GB/s read peak (measured beside its repeats)")
-            out.append(f"  batch 1 decode MBU at the median step, {what} ({one.engine}, {one.dtype}): "
-                       f"{one.decode_mbu_p50:.2f}{peak} (target 0.60) {'met' if one.decode_mbu_p50 >= 0.6 else 'MISSED'}; "
-                       f"over all decode steps {_fmt(one.decode_mbu, '.2f')}, whole run with prefill {_fmt(one.mbu, '.2f')}")
-    for b in sorted({m.batch for m in results if m.section == "grid"}):  # the fp32 kernels, side by side
-        g, o = get("native:compiled", b, "greedy"), get("native:onednn", b, "greedy")
-        if g and o and g.step_itl_p50_s and o.step_itl_p50_s:
-            auto = (conditions or {}).get("fp32_kernel_auto", {}).get(str(b), "?")
-            out.append(f"  batch {b} fp32 greedy, gemv kernel / oneDNN's (compiled), median decode step: "
-                       f"{o.step_itl_p50_s / g.step_itl_p50_s:.2f}x; whole runs (tok/s) {g.tok_per_s / o.tok_per_s:.2f}x; "
-                       f"--fp32-kernel auto takes {auto} at this batch")
+            bw = one.peak_read_bytes_per_s
+            peak = "" if bw is None else f" of a {bw / 1e9:.1f} GB/s read peak (measured beside its repeats)"
+            out.append(Verdict(
+                f"batch 1, decode MBU at the median step, {what}", tok(one, one.decode_tok_per_s),
+                "the probe's read peak" + ("" if bw is None else f", {bw / 1e9:.1f} GB/s"), one.decode_mbu_p50, 0.6,
+                "MBU", f"  batch 1 decode MBU at the median step, {what} ({one.engine}, {one.dtype}): "
+                       f"{one.decode_mbu_p50:.2f}{peak} (target 0.60) "
+                       f"{'met' if one.decode_mbu_p50 >= 0.6 else 'MISSED'}; over all decode steps "
+                       f"{_fmt(one.decode_mbu, '.2f')}, whole run with prefill {_fmt(one.mbu, '.2f')}"))
     for engine in ("native", "native:compiled"):
-        for b in sorted({m.batch for m in results if m.section == "grid"}):
+        for b in sorted({m.batch for m in grid}):
             g, s = get(engine, b, "greedy"), get(engine, b, "sampled")
             if not (g and s and g.step_itl_p50_s and s.step_itl_p50_s):
                 continue
@@ -236,6 +290,23 @@ def targets(results: list[Measurement], conditions: dict | None = None) -> list[
             share = (f"; choosing tokens took {100 * s.sample_share:.1f}% of the decode steps sampled, "
                      f"{100 * g.sample_share:.1f}% greedy" if s.sample_share is not None and g.sample_share is not None
                      else "")
-            out.append(f"  batch {b} sampled / greedy ({engine} fp32), median decode step: {r:.2f} (target 0.95) "
-                       f"{'met' if r >= 0.95 else 'MISSED'}; whole runs (tok/s) {s.tok_per_s / g.tok_per_s:.2f}{share}")
+            out.append(Verdict(
+                f"batch {b}, sampled against greedy, {engine} (float32), median decode step",
+                f"{1000 * s.step_itl_p50_s:.1f} ms a step sampled", f"greedy {1000 * g.step_itl_p50_s:.1f} ms", r, 0.95,
+                "x", f"  batch {b} sampled / greedy ({engine} fp32), median decode step: {r:.2f} (target 0.95) "
+                     f"{'met' if r >= 0.95 else 'MISSED'}; whole runs (tok/s) {s.tok_per_s / g.tok_per_s:.2f}{share}"))
+    return out
+
+
+def targets(results: list[Measurement], conditions: dict | None = None) -> list[str]:
+    """The issue's targets as the bench prints them (verdicts' lines), then what `--fp32-kernel auto`
+    chose beside the two fp32 kernels measured (a comparison, not a target)."""
+    out = ["targets (this run):", *(v.line for v in verdicts(results, conditions))]
+    for b in sorted({m.batch for m in results if m.section == "grid"}):  # the fp32 kernels, side by side
+        g, o = _cell(results, "native:compiled", b, "greedy"), _cell(results, "native:onednn", b, "greedy")
+        if g and o and g.step_itl_p50_s and o.step_itl_p50_s:
+            auto = (conditions or {}).get("fp32_kernel_auto", {}).get(str(b), "?")
+            out.append(f"  batch {b} fp32 greedy, gemv kernel / oneDNN's (compiled), median decode step: "
+                       f"{o.step_itl_p50_s / g.step_itl_p50_s:.2f}x; whole runs (tok/s) {g.tok_per_s / o.tok_per_s:.2f}x; "
+                       f"--fp32-kernel auto takes {auto} at this batch")
     return out

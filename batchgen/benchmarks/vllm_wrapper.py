@@ -13,7 +13,8 @@ three take turns `--repeats` times, each run on an emptied prefix cache (the rep
 prompts, and a dataset job sends a prompt once); tok/s is output tokens over the seconds from the
 batch's first request to its last token, prefill included; the median is kept and the spread printed,
 with the ratios against LLM.generate, the share of rows whose tokens equal LLM.generate's, and the run
-conditions.
+conditions. `--out` writes the cells as a bench run's Parquet (engines `vllm-generate:<dtype>`, `vllm` and
+`vllm:eager`), which `python -m batchgen.benchmarks.judge table` reads beside the bench's own.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
+
+ENGINES = {"vLLM LLM.generate": "vllm-generate", "batchgen --engine vllm": "vllm",  # a variant's engine in --out
+           "batchgen, enforce_eager": "vllm:eager"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,9 +35,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--out", help="also write the cells as a bench run's Parquet here")
     args = p.parse_args(argv)
 
-    from batchgen.benchmarks.bench import held_prompt_ids, run_engine
+    from batchgen.benchmarks.bench import held_prompt_ids, run_conditions, run_engine
+    from batchgen.benchmarks.bench_results import Measurement, write_parquet
     from batchgen.benchmarks.peers import VllmOwnRunner
     from batchgen.config import EngineConfig, SamplingParams, kv_bytes_per_token
     from batchgen.engine.vllm import VllmEngine
@@ -64,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         variants[name] = lambda engine=engine, name=name: (  # each run's prompts new to it, as LLM.generate's are
             engine.reset_prefix_cache(), run_engine(engine, prompts, args.batch, params, None, name))[1]
         startup[name] = time.perf_counter() - t0
-    rates: dict[str, list[float]] = {name: [] for name in variants}
+    timed: dict[str, list[tuple[int, float]]] = {name: [] for name in variants}  # (tokens, seconds) a repeat
     outputs: dict[str, list] = {name: [] for name in variants}
     try:
         for name, run in variants.items():  # warm-up: untimed
@@ -75,11 +82,12 @@ def main(argv: list[str] | None = None) -> None:
         for rep in range(args.repeats):  # take turns, the order rotating
             for name in names[rep % len(names):] + names[:rep % len(names)]:
                 got = variants[name]()
-                rates[name].append(got["tokens"] / got["seconds"])
+                timed[name].append((got["tokens"], got["seconds"]))
                 outputs[name].append(got["outputs"])
     finally:
         for e in engines:
             e.close()
+    rates = {name: [t / s for t, s in rs] for name, rs in timed.items()}
     c = engines[0].conditions()
     print(f"conditions: {args.batch} few-shot chat prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
           f"{args.new_tokens} new tokens, greedy, EOS ignored, {args.dtype}, max_num_seqs {args.batch}, KV for every "
@@ -104,6 +112,20 @@ def main(argv: list[str] | None = None) -> None:
     ratio = statistics.median(rates["batchgen --engine vllm"]) / base
     print(f"target: batchgen --engine vllm / vLLM's own generate {ratio:.2f}x (>= 0.95x) "
           f"{'met' if ratio >= 0.95 else 'MISSED'}")
+    if args.out:
+        tag = "bf16" if args.dtype == "bfloat16" else "fp32"
+        cells = []
+        for name, rs in timed.items():
+            tokens, seconds = sorted(rs, key=lambda r: r[0] / r[1])[len(rs) // 2]  # the median repeat
+            med = statistics.median(rates[name])
+            cells.append(Measurement(
+                "grid", ENGINES[name] + (f":{tag}" if ENGINES[name] == "vllm-generate" else ""), args.dtype,
+                args.batch, "greedy", "held", 0, len(prompts), tokens, seconds, repeats=len(rs),
+                spread=(max(rates[name]) - min(rates[name])) / med))
+        conditions = {**run_conditions(model_dir, args.new_tokens, args.repeats), "engine_version": c["engine_version"],
+                      "prompts": f"few-shot chat prompts of the held tasks, {min(map(len, prompts))} to "
+                                 f"{max(map(len, prompts))} tokens"}
+        print(f"wrote {write_parquet(cells, conditions, Path(args.out))}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,194 @@
+"""`python -m batchgen.benchmarks.judge`: the engine's speed targets on this machine, measured and tabled.
+
+    run    the series of runs that measure every target, one after another, each in its own process
+           and each writing its Parquet into one folder (default runs/targets-<time>/), then their table:
+             fp32     batch 64 and 256, native fp32 (compiled) against vLLM's `LLM.generate` in fp32
+             bf16     the same in bf16, native `--dtype auto`; left out where the probe finds no bf16 math
+                      (there vLLM's bf16 matmuls crawl: hours a run)
+             batch1   batch 1, `--dtype auto` against llama.cpp on the model's GGUF (decode steps), and MBU
+             prefill  64 prompts of 300 tokens, prefill MFU against the probe's peak in the chosen dtype
+             wrapper  `--engine vllm` through batchgen against vLLM's own `generate` (vllm_wrapper)
+           Each cell is the median of --repeats with the engines taking turns (batchgen bench).
+    table  the targets judged on any bench runs' Parquet files (`batchgen bench --out`, `vllm_wrapper
+           --out`), as one Markdown table: a row a target and run, with the CPU, the run's date and
+           repeats, both figures and the verdict; then each CPU's flags.
+
+The verdicts are bench_results.verdicts, the ones `batchgen bench` prints under its table. The series
+takes about 75 minutes on a 2-core CPU; llama.cpp needs the peers extra (`pip install -e ".[peers]"`)
+and vLLM the cpu extra, and a peer that is not installed is left out of its run with a line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchgen.benchmarks.bench_results import Verdict, read_results, verdicts
+
+STEPS = ("fp32", "bf16", "batch1", "prefill", "wrapper")
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    argv: list[str]  # the command, run with this Python
+    out: Path  # the Parquet it writes
+
+
+def series(out_dir: Path, bf16_math: bool, model: str = "smollm2-135m", repeats: int = 3,
+           only: tuple[str, ...] = STEPS) -> tuple[list[Step], list[str]]:
+    """The runs that measure the targets, and a line for each one left out (and why)."""
+    bench = [sys.executable, "-m", "batchgen.cli", "bench", "--model", model, "--modes", "greedy", "--repeats",
+             str(repeats), "--speculative", "0"]
+    dtype = "bfloat16" if bf16_math else "float32"
+    plan = {
+        "fp32": [*bench, "--engines", "native,vllm-generate:fp32", "--native-variants", "compiled",
+                 "--batches", "64,256"],
+        "bf16": [*bench, "--engines", "native,vllm-generate:bf16", "--native-variants", "auto", "--batches", "64,256"],
+        "batch1": [*bench, "--engines", "native,llama.cpp", "--native-variants", "auto", "--batches", "1"],
+        "prefill": [*bench, "--engines", "native", "--native-variants", "auto", "--batches", "64",
+                    "--prompt-tokens", "300"],
+        "wrapper": [sys.executable, "-m", "batchgen.benchmarks.vllm_wrapper", "--model", model, "--dtype", dtype,
+                    "--repeats", str(repeats)],
+    }
+    steps, skipped = [], []
+    for name in only:
+        if name not in plan:
+            raise ValueError(f"unknown step {name!r}: the steps are {', '.join(STEPS)}")
+        if name == "bf16" and not bf16_math:
+            skipped.append("bf16: left out, the probe finds no bf16 math on this CPU (its bf16 matmul peak is under "
+                           "its fp32 one), so vLLM's bf16 would crawl; --dtype auto takes float32 here")
+            continue
+        out = out_dir / f"{name}.parquet"
+        steps.append(Step(name, [*plan[name], "--out", str(out)], out))
+    return steps, skipped
+
+
+def has_bf16_math(probe: dict) -> bool:
+    """bf16 matmuls at least as fast as fp32's, as measured by the probe (AVX512-BF16, AMX or Arm's BF16)."""
+    return (probe.get("peak_flops_bfloat16") or 0) >= (probe.get("peak_flops_fp32") or float("inf"))
+
+
+def run_series(steps: list[Step], log_dir: Path, echo=print) -> list[str]:
+    """Run each step in turn (its output shown and kept in <step>.log); the ones that failed."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for step in steps:
+        echo(f"== {step.name}: {' '.join(step.argv[1:])}")
+        step.out.unlink(missing_ok=True)  # a file left by an earlier run is not this one's
+        t0 = time.perf_counter()
+        with open(log_dir / f"{step.name}.log", "w") as log:
+            proc = subprocess.Popen(step.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for line in proc.stdout:
+                log.write(line)
+                echo(line.rstrip("\n"))
+            rc = proc.wait()
+        echo(f"== {step.name}: exit {rc} after {time.perf_counter() - t0:.0f} s")
+        if rc != 0 or not step.out.is_file():
+            failed.append(f"{step.name} (exit {rc}; its log: {log_dir / (step.name + '.log')})")
+    return failed
+
+
+# AMD's families and models, by core (from AMD's processor programming references); an unknown one
+# keeps its family and model only
+def _zen(family: int, model: int) -> str | None:
+    if family == 23:
+        return "Zen 2" if model >= 0x30 else "Zen"
+    if family == 25:
+        return "Zen 4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF else "Zen 3"
+    if family == 26:
+        return "Zen 5"
+    return None
+
+
+def cpu_label(conditions: dict) -> str:
+    """A short name for the run's CPU: its model name, AMD's core where known, the family and model,
+    and a cap where the run capped its instruction set (e.g. "AMD EPYC, Zen 3 (family 25 model 1)")."""
+    name = re.sub(r"\((R|TM)\)|\b(Processor|CPU)\b|@.*|\b\d+-Core\b", "", conditions.get("cpu", "")).split()
+    features = conditions.get("cpu_features", "")
+    m = re.match(r"(\S+) family (\d+) model (\d+)", features)
+    if not m:
+        return " ".join(name[:3]) or "?"
+    short = " ".join(name[:2]) or m[1]
+    zen = _zen(int(m[2]), int(m[3])) if m[1] == "AMD" else None
+    cap = re.search(r"capped to (\S+)", features)
+    return (f"{short}{', ' + zen if zen else ''} (family {m[2]} model {m[3]})"
+            + (f", capped to {cap[1]}" if cap else ""))
+
+
+def _score(v: Verdict) -> str:
+    if v.kind == "x":
+        return f"**{v.score:.2f}x** ({v.goal}x: {v.verdict})"
+    return f"**{v.kind} {v.score:.2f}** ({v.goal}: {v.verdict})"
+
+
+def table(paths: list[Path]) -> str:
+    """The targets judged on these runs: one Markdown table, a row a target and run, CPU by CPU and in
+    time order; then each CPU's flags and threads, and the files it was made from."""
+    runs = []
+    for path in paths:
+        results, c = read_results(path)
+        runs.append((cpu_label(c), c.get("date", "?"), c, path, verdicts(results, c)))
+    runs.sort(key=lambda r: (r[0], r[1]))
+    lines = ["| CPU | workload | run | batchgen | peer | batchgen / peer (target) |", "|---|---|---|---|---|---|"]
+    machines: dict[str, str] = {}
+    for label, date, c, path, vs in runs:
+        reps = c.get("repeats", 1)
+        when = f"{date[:16]}, " + ("one run" if reps == 1 else f"median of {reps}")
+        machines.setdefault(label, f"{c.get('cpu_features', '?')}; {c.get('cores', '?')} cores, torch threads "
+                                   f"{c.get('torch_threads', '?')}")
+        lines += [f"| {label} | {v.workload} | {when} | {v.native} | {v.peer} | {_score(v)} |" for v in vs]
+    if len(lines) == 2:
+        lines.append("| | no target is judged on these runs | | | | |")
+    lines += ["", *(f"- {label}: {flags}" for label, flags in machines.items()),
+              f"- made by `python -m batchgen.benchmarks.judge table` from {', '.join(p.name for p in paths)}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="measure every target here, then print their table")
+    run.add_argument("--out", help="the folder for the runs' Parquet and logs (default runs/targets-<time>)")
+    run.add_argument("--only", default=",".join(STEPS), help=f"the steps to run, comma-separated: {', '.join(STEPS)}")
+    run.add_argument("--repeats", type=int, default=3)
+    run.add_argument("--model", default="smollm2-135m")
+    tab = sub.add_parser("table", help="the targets judged on bench runs' Parquet files, as a Markdown table")
+    tab.add_argument("files", nargs="+", type=Path)
+    args = p.parse_args(argv)
+
+    if args.cmd == "table":
+        missing = [f for f in args.files if not f.is_file()]
+        if missing:
+            p.error(f"no such file: {missing[0]}")
+        print(table(args.files))
+        return 0
+    from batchgen.metrics.probe import cached_probe
+
+    out_dir = Path(args.out or f"runs/targets-{time.strftime('%Y%m%d-%H%M%S')}")
+    only = tuple(s.strip() for s in args.only.split(",") if s.strip())
+    try:
+        steps, skipped = series(out_dir, has_bf16_math(cached_probe("cpu")), args.model, args.repeats, only)
+    except ValueError as e:
+        p.error(str(e))
+    for line in skipped:
+        print(line)
+    (out_dir / "targets.md").unlink(missing_ok=True)
+    failed = run_series(steps, out_dir)
+    done = [s.out for s in steps if s.out.is_file()]
+    if done:
+        text = table(done)
+        (out_dir / "targets.md").write_text(text + "\n")
+        print(f"\n{text}\n\nthe table: {out_dir / 'targets.md'}")
+    for line in failed:
+        print(f"failed: {line}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
