@@ -50,6 +50,11 @@ def test_bench_measures_each_engine_batch_and_mode_and_writes_parquet(tmp_path, 
     assert len(beside) >= 4 and all(b > 0 for b in beside) and "read peak beside each repeat" in text
     assert all(m.peak_read_bytes_per_s in beside for m in grid)
     assert all(conditions["peak_flops"][d] > 0 for d in ("float32", "bfloat16")) and "GFLOP/s in bfloat16" in text
+    # and the matmul peak in each native cell's dtype: a cell's prefill MFU is against those beside its repeats
+    flops = conditions["peak_flops_beside_repeats"]
+    assert {m.dtype for m in grid if m.prefill_mfu} <= set(flops) and "matmul peak beside each repeat" in text
+    assert all(m.peak_flops in flops[m.dtype] for m in grid if m.prefill_mfu)
+    assert all(m.peak_flops is None for m in grid if not m.engine.startswith("native"))
     assert "pre MFU" in text and conditions["prompt_token_flops"] > 0
     assert "batch 1 decode MBU at the median step, default (native:auto" in text
     assert "batch 1 decode MBU at the median step, fp32 (" in text and "sampled / greedy (native fp32), median " \

@@ -294,7 +294,7 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
               prompt_tokens: int | None = None) -> tuple[list[Measurement], dict]:
     """`prompt_tokens`: every prompt that long (sized_prompt_ids), instead of the few-shot prompts of
     100 to 500 tokens (few_shot_prompt_ids)."""
-    from batchgen.metrics.probe import cached_probe, peak_read, probe_device
+    from batchgen.metrics.probe import cached_probe, peak_matmul, peak_read, probe_device
     from batchgen.model.tokenizer import Tokenizer
 
     unknown = [e for e in engines if ":" in e and not is_peer(e)]
@@ -329,8 +329,8 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
     def record(m: Measurement, extra: dict) -> Measurement:
         for k, v in extra.items():
             setattr(m, k, v)
-        if m.engine.startswith("native") and m.prefill_tok_per_s and peak_flops.get(m.dtype):
-            m.prefill_mfu = m.prefill_tok_per_s * flops_per_token / peak_flops[m.dtype]
+        if m.prefill_mfu is None and m.engine.startswith("native") and m.prefill_tok_per_s and peak_flops.get(m.dtype):
+            m.prefill_mfu = m.prefill_tok_per_s * flops_per_token / peak_flops[m.dtype]  # no peak beside its repeats
         results.append(m)
         if m.cached_prompt_tokens:  # a run's prompts are new to every engine: a hit means one was served, not computed
             log(f"  WARNING: {m.engine} batch {m.batch}: {m.cached_prompt_tokens} prompt tokens came from its "
@@ -367,6 +367,11 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                 (v[0].split(":") + ["eager"])[1] in native_variants]
 
     beside: list[float] = []  # the read peak measured beside each repeat of each cell, in order
+    beside_flops: dict[str, list[float]] = {}  # the matmul peak beside each repeat, per dtype a cell prefilled in
+
+    def mfu(run: dict) -> float | None:
+        return (run["prefill_tok_per_s"] * flops_per_token / run["peak_flops"]
+                if run.get("prefill_tok_per_s") and run.get("peak_flops") else None)
 
     def measure_cells(group: list[tuple[str, str, Callable, Callable | None]]) -> None:
         """Each batch's cells measured `repeats` times, the median kept. The variants of one engine
@@ -377,19 +382,26 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
         `warm_up(b)` first runs the batch once untimed (a compiled engine compiles its buckets there)
         and returns the seconds compiled. The read peak is measured again before each repeat, and the
         repeat's MBU is against it (`measure(b, mode, peak)`): the probe at the run's start can fall in
-        a quiet moment of a shared machine and the cells minutes later in a busy one."""
+        a quiet moment of a shared machine and the cells minutes later in a busy one. So is the matmul
+        peak in each native cell's dtype, and the repeat's prefill MFU is against that (the bf16 peak read
+        1,287-1,827 GFLOP/s at the starts of four runs in one hour)."""
         for b in batches:
             compile_s = {name: warm_up(b) if warm_up else None for name, _, _, warm_up in group}
             runs: dict[tuple[str, str], list[dict]] = {(name, mode): [] for name, *_ in group for mode in modes}
             for rep in range(repeats):
                 peak = peak_read(device) if peak_bw else None
                 beside.append(peak)
+                prefilled = {dtype for name, dtype, *_ in group if name.startswith("native") and dtype in peak_flops}
+                flops = {d: peak_matmul(device, d)[0] for d in sorted(prefilled)}
+                for d, f in flops.items():
+                    beside_flops.setdefault(d, []).append(f)
                 order = group[rep % len(group):] + group[:rep % len(group)]
-                for i, (name, _, measure, _) in enumerate(order):  # a variant's modes back to back
+                for i, (name, dtype, measure, _) in enumerate(order):  # a variant's modes back to back
                     for mode in (modes if (rep + i) % 2 == 0 else modes[::-1]):
                         got = measure(b, mode, peak)
                         if got is not None:  # None: this engine does not run this mode
-                            runs[(name, mode)].append({**got, "peak_read_bytes_per_s": peak})
+                            runs[(name, mode)].append({**got, "peak_read_bytes_per_s": peak, "peak_flops":
+                                                       flops.get(dtype) if name.startswith("native") else None})
             for name, dtype, _, _ in group:
                 for mode in modes:
                     if not runs[(name, mode)]:
@@ -403,6 +415,8 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                             "step_itl_p50_s": _median(m.get("itl_p50_s") for m in ms),
                             "decode_mbu_p50": _median(m.get("decode_mbu_p50") for m in ms),
                             "peak_read_bytes_per_s": _median(m["peak_read_bytes_per_s"] for m in ms),
+                            "prefill_mfu": _median(mfu(m) for m in ms),
+                            "peak_flops": _median(m["peak_flops"] for m in ms),
                             "spread": (rates[-1] - rates[0]) / rates[len(ms) // 2] if len(ms) > 1 else None})
 
     def engine_cell(engine, compiled: bool) -> tuple[Callable, Callable | None]:
@@ -471,6 +485,7 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
     conditions = {**run_conditions(model_dir, new_tokens, repeats),
                   "peak_read_bytes_per_s": peak_bw, "probe": "measured at the start of this run",
                   "peak_read_beside_repeats": [b for b in beside if b],  # each cell's MBU is against its repeat's
+                  "peak_flops_beside_repeats": beside_flops,  # and its prefill MFU against these
                   "peak_flops": peak_flops, "prompt_token_flops": flops_per_token,
                   "cached_probe_read_bytes_per_s": probe.get("peak_read_bytes_per_s"),
                   "cached_probe": f"{probe.get('probe_source')}, measured {probe.get('probe_measured_at')}",

@@ -41,7 +41,9 @@ class Measurement:
     step_itl_p50_s: float | None = None  # the median over the repeats of each run's ITL p50 (see targets)
     decode_tok_per_s: float | None = None  # tokens of the decode-only steps over their seconds
     prefill_tok_per_s: float | None = None  # prompt tokens over the seconds of the steps that computed them
-    prefill_mfu: float | None = None  # those tokens' matmul FLOPs per second over this run's peak in the dtype
+    prefill_mfu: float | None = None  # those tokens' matmul FLOPs per second over the peak in the dtype (median
+    # over the repeats, each against the matmul peak measured beside it)
+    peak_flops: float | None = None  # that peak: the median of those beside its repeats
     cached_prompt_tokens: int | None = None  # served by the engine's prefix cache (0: every prompt computed)
     outputs: list = field(default_factory=list, repr=False)  # token ids per prompt (not written)
 
@@ -120,8 +122,11 @@ def _peak_flops(c: dict) -> str:
 
 def _beside(c: dict) -> str:
     peaks = c.get("peak_read_beside_repeats") or []
-    return (f"; read peak beside each repeat {min(peaks) / 1e9:.1f}-{max(peaks) / 1e9:.1f} GB/s (the MBU columns are "
-            f"against the one beside their repeat)" if peaks else "")
+    flops = c.get("peak_flops_beside_repeats") or {}
+    return ((f"; read peak beside each repeat {min(peaks) / 1e9:.1f}-{max(peaks) / 1e9:.1f} GB/s (the MBU columns are "
+             f"against the one beside their repeat)" if peaks else "")
+            + "".join(f"; {d} matmul peak beside each repeat {min(v) / 1e9:,.0f}-{max(v) / 1e9:,.0f} GFLOP/s (pre MFU "
+                      f"is against it)" for d, v in flops.items() if v))
 
 
 def format_bench(results: list[Measurement], conditions: dict) -> str:
@@ -243,8 +248,9 @@ def verdicts(results: list[Measurement], conditions: dict | None = None) -> list
         if inv and loose:
             out.append(_ratio(f"batch {b}, batch-invariant `auto` ({inv.dtype})", tok(inv),
                               f"`auto` with `--batch-invariant off` {loose.tok_per_s:.1f}",
-                              inv.tok_per_s / loose.tok_per_s, 0.9, f"  batch {b} greedy, batch-invariant auto ({inv.dtype}) / auto with "
-                                   f"--batch-invariant off ({loose.dtype})"))
+                              inv.tok_per_s / loose.tok_per_s, 0.9,
+                              f"  batch {b} greedy, batch-invariant auto ({inv.dtype}) / auto with --batch-invariant "
+                              f"off ({loose.dtype})"))
     llama = get("llama.cpp", 1, "greedy")
     if llama and llama.decode_tok_per_s:  # batch 1, decode steps only
         for engine in ("native:auto", "native:gguf"):
@@ -259,7 +265,7 @@ def verdicts(results: list[Measurement], conditions: dict | None = None) -> list
         m = get("native:auto", b, "greedy")
         if m and m.prefill_mfu is not None:
             prompts = c.get("prompts", "held")
-            peak = peaks.get(m.dtype)
+            peak = m.peak_flops or peaks.get(m.dtype)  # beside its repeats; in older runs the run's start's
             out.append(Verdict(
                 f"batch {b} prefill, {m.dtype}, {prompts}", f"{m.prefill_tok_per_s:,.0f} prompt tok/s ({m.engine})",
                 f"the probe's {m.dtype} matmul peak" + (f", {peak / 1e9:,.0f} GFLOP/s" if peak else ""),

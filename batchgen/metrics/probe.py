@@ -66,17 +66,25 @@ def matmul_flops(a, b, device: str, repeats: int, crawl_s: float = CRAWL_S) -> t
     return 2 * a.shape[0] * b.shape[0] * b.shape[1] / _best_seconds(lambda: a @ b, device, repeats), a.shape[0]
 
 
-def probe_device(device: str = "cpu", mib: int = 256, repeats: int = 3) -> dict[str, float]:
+def peak_matmul(device: str = "cpu", dtype: str = "float32", repeats: int = 3) -> tuple[float, int]:
+    """(FLOP/s, rows) of a [512, 2048] x [2048, 2048] product in `dtype` on a CPU ([8192, 8192]
+    squared on a GPU): the matmul peak MFU is against. bf16's is its own (AMX or AVX512_BF16 where the
+    CPU has them; a crawl on AVX2, measured on fewer rows). A bench measures it again beside each
+    repeat of a cell whose prefill it judges, as it does the read peak."""
     import torch
 
     dev = torch.device(device)
-    read = peak_read(device, mib, repeats)
     n = 2048 if dev.type == "cpu" else 8192
-    a = torch.randn(512 if dev.type == "cpu" else n, n, device=dev)
-    b = torch.randn(n, n, device=dev)
-    fp32, fp32_rows = matmul_flops(a, b, device, repeats)
-    # bf16's own peak (AMX or AVX512_BF16 where the CPU has them; a crawl on AVX2, measured on fewer rows)
-    bf16, bf16_rows = matmul_flops(a.bfloat16(), b.bfloat16(), device, repeats)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(512 if dev.type == "cpu" else n, n, generator=gen).to(dev, getattr(torch, dtype))
+    b = torch.randn(n, n, generator=gen).to(dev, getattr(torch, dtype))
+    return matmul_flops(a, b, device, repeats)
+
+
+def probe_device(device: str = "cpu", mib: int = 256, repeats: int = 3) -> dict[str, float]:
+    read = peak_read(device, mib, repeats)
+    fp32, fp32_rows = peak_matmul(device, "float32", repeats)
+    bf16, bf16_rows = peak_matmul(device, "bfloat16", repeats)
     return {"peak_read_bytes_per_s": read, "peak_flops_fp32": fp32, "peak_flops_bfloat16": bf16,
             "probe_matmul_rows_fp32": fp32_rows, "probe_matmul_rows_bfloat16": bf16_rows, "probe_buffer_mib": mib}
 
