@@ -48,14 +48,15 @@ def test_the_table_has_a_row_a_target_and_run_cpu_by_cpu(tmp_path):
         "| AMD EPYC, Zen 3 (family 25 model 1) | batch 1, decode steps, native:auto (float32) | 2026-12-06 02:53, "
         "median of 5 | 111.0 tok/s (native:auto) | llama.cpp Q4_1 92.7 | **1.20x** (1.0x: met) |",
         "| AMD EPYC, Zen 3 (family 25 model 1) | batch 1, decode MBU at the median step, default | 2026-12-06 02:53, "
-        "median of 5 | 111.0 tok/s (native:auto) | the probe's read peak, 38.8 GB/s | **MBU 0.43** (0.6: MISSED) |",
+        "median of 5 | 111.0 tok/s (native:auto) | the read peak beside its repeats, 38.8 GB/s | **MBU 0.43** "
+        "(0.6: MISSED) |",
         "| Intel Xeon (family 6 model 167) | batch 64, float32 | 2026-12-06 20:04, median of 3 | 135.3 tok/s "
         "(native:compiled) | vLLM `generate` 71.1 | **1.90x** (1.2x: met) |",
         "| Intel Xeon (family 6 model 167) | batch 64 prefill, bfloat16, chat prompts of 300 tokens | "
-        "2026-12-06 20:04, median of 3 | 4,429 prompt tok/s (native:auto) | the probe's bfloat16 matmul peak, "
-        "1,474 GFLOP/s | **MFU 0.64** (0.6: met) |"]
+        "2026-12-06 20:04, median of 3 | 4,429 prompt tok/s (native:auto) | the bfloat16 matmul peak at the "
+        "run's start, 1,474 GFLOP/s | **MFU 0.64** (0.6: met) |"]
     assert "- AMD EPYC, Zen 3 (family 25 model 1): AMD family 25 model 1: avx2 fma f16c; 2 cores" in text
-    assert "from xeon.parquet, zen3.parquet" in text
+    assert f"from {xeon}, {zen3}" in text
 
 
 @pytest.mark.parametrize("cpu, features, label", [

@@ -266,9 +266,10 @@ def verdicts(results: list[Measurement], conditions: dict | None = None) -> list
         if m and m.prefill_mfu is not None:
             prompts = c.get("prompts", "held")
             peak = m.peak_flops or peaks.get(m.dtype)  # beside its repeats; in older runs the run's start's
+            where = "beside its repeats" if m.peak_flops else "at the run's start"
             out.append(Verdict(
                 f"batch {b} prefill, {m.dtype}, {prompts}", f"{m.prefill_tok_per_s:,.0f} prompt tok/s ({m.engine})",
-                f"the probe's {m.dtype} matmul peak" + (f", {peak / 1e9:,.0f} GFLOP/s" if peak else ""),
+                f"the {m.dtype} matmul peak {where}" + (f", {peak / 1e9:,.0f} GFLOP/s" if peak else ""),
                 m.prefill_mfu, 0.6, "MFU",
                 f"  batch {b} prefill MFU, native:auto ({m.dtype}): {m.prefill_mfu:.2f} of the peak matmul FLOP/s "
                 f"(target 0.60 on 64 prompts of 300 tokens; these: {prompts}) "
@@ -282,7 +283,8 @@ def verdicts(results: list[Measurement], conditions: dict | None = None) -> list
             peak = "" if bw is None else f" of a {bw / 1e9:.1f} GB/s read peak (measured beside its repeats)"
             out.append(Verdict(
                 f"batch 1, decode MBU at the median step, {what}", tok(one, one.decode_tok_per_s),
-                "the probe's read peak" + ("" if bw is None else f", {bw / 1e9:.1f} GB/s"), one.decode_mbu_p50, 0.6,
+                "the read peak beside its repeats" + ("" if bw is None else f", {bw / 1e9:.1f} GB/s"),
+                one.decode_mbu_p50, 0.6,
                 "MBU", f"  batch 1 decode MBU at the median step, {what} ({one.engine}, {one.dtype}): "
                        f"{one.decode_mbu_p50:.2f}{peak} (target 0.60) "
                        f"{'met' if one.decode_mbu_p50 >= 0.6 else 'MISSED'}; over all decode steps "

@@ -146,7 +146,7 @@ def table(paths: list[Path]) -> str:
     if len(lines) == 2:
         lines.append("| | no target is judged on these runs | | | | |")
     lines += ["", *(f"- {label}: {flags}" for label, flags in machines.items()),
-              f"- made by `python -m batchgen.benchmarks.judge table` from {', '.join(p.name for p in paths)}"]
+              f"- made by `python -m batchgen.benchmarks.judge table` from {', '.join(map(str, paths))}"]
     return "\n".join(lines)
 
 
