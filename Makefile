@@ -48,8 +48,8 @@ test: model
 test-fast: model
 	$(PYTEST) -m "not slow and not heavy" $(PYTEST_ARGS)
 
-# the engine's speed targets on this machine: the series of bench runs that measures each one (about 75
-# minutes on a 2-core CPU), into runs/targets-<time>/, then their table (batchgen.benchmarks.judge).
+# the engine's speed targets on this machine: the series of bench runs that measures each one (59
+# minutes on the 2-core Xeon), into runs/targets-<time>/, then their table (batchgen.benchmarks.judge).
 # Not part of the tests: speed is measured, never asserted. llama.cpp needs the peers extra.
 bench-targets: model
 	$(PY) -m batchgen.benchmarks.judge run

@@ -14,7 +14,7 @@
            repeats, both figures and the verdict; then each CPU's flags.
 
 The verdicts are bench_results.verdicts, the ones `batchgen bench` prints under its table. The series
-takes about 75 minutes on a 2-core CPU; llama.cpp needs the peers extra (`pip install -e ".[peers]"`)
+took 59 minutes on the 2-core Xeon (2026-12-07); llama.cpp needs the peers extra (`pip install -e ".[peers]"`)
 and vLLM the cpu extra, and a peer that is not installed is left out of its run with a line.
 """
 
