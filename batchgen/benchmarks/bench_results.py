@@ -190,7 +190,11 @@ class Verdict:
 
     @property
     def verdict(self) -> str:
-        return "met" if self.met else "MISSED"
+        return _mark(self.score, self.goal)
+
+
+def _mark(score: float, goal: float) -> str:
+    return "met" if score >= goal else "MISSED"
 
 
 def _cell(results: list[Measurement], engine: str, batch: int, mode: str) -> Measurement | None:
@@ -200,7 +204,7 @@ def _cell(results: list[Measurement], engine: str, batch: int, mode: str) -> Mea
 
 def _ratio(workload: str, native: str, peer: str, score: float, goal: float, line: str) -> Verdict:
     return Verdict(workload, native, peer, score, goal, "x",
-                   f"{line}: {score:.2f}x (target {goal}x) {'met' if score >= goal else 'MISSED'}")
+                   f"{line}: {score:.2f}x (target {goal}x) {_mark(score, goal)}")
 
 
 def verdicts(results: list[Measurement], conditions: dict | None = None) -> list[Verdict]:
@@ -273,7 +277,7 @@ def verdicts(results: list[Measurement], conditions: dict | None = None) -> list
                 m.prefill_mfu, 0.6, "MFU",
                 f"  batch {b} prefill MFU, native:auto ({m.dtype}): {m.prefill_mfu:.2f} of the peak matmul FLOP/s "
                 f"(target 0.60 on 64 prompts of 300 tokens; these: {prompts}) "
-                f"{'met' if m.prefill_mfu >= 0.6 else 'MISSED'}"))
+                f"{_mark(m.prefill_mfu, 0.6)}"))
     # judged at the median step, with the mean beside it: these runs share a noisy machine, and a slow
     # patch of a few seconds moves a run's total time (and so its tok/s) by more than a 5% target
     # (the default, on the bytes its weights take: the GGUF blocks where auto takes them; and fp32's)
@@ -287,7 +291,7 @@ def verdicts(results: list[Measurement], conditions: dict | None = None) -> list
                 one.decode_mbu_p50, 0.6,
                 "MBU", f"  batch 1 decode MBU at the median step, {what} ({one.engine}, {one.dtype}): "
                        f"{one.decode_mbu_p50:.2f}{peak} (target 0.60) "
-                       f"{'met' if one.decode_mbu_p50 >= 0.6 else 'MISSED'}; over all decode steps "
+                       f"{_mark(one.decode_mbu_p50, 0.6)}; over all decode steps "
                        f"{_fmt(one.decode_mbu, '.2f')}, whole run with prefill {_fmt(one.mbu, '.2f')}"))
     for engine in ("native", "native:compiled"):
         for b in sorted({m.batch for m in grid}):
@@ -302,7 +306,7 @@ def verdicts(results: list[Measurement], conditions: dict | None = None) -> list
                 f"batch {b}, sampled against greedy, {engine} (float32), median decode step",
                 f"{1000 * s.step_itl_p50_s:.1f} ms a step sampled", f"greedy {1000 * g.step_itl_p50_s:.1f} ms", r, 0.95,
                 "x", f"  batch {b} sampled / greedy ({engine} fp32), median decode step: {r:.2f} (target 0.95) "
-                     f"{'met' if r >= 0.95 else 'MISSED'}; whole runs (tok/s) {s.tok_per_s / g.tok_per_s:.2f}{share}"))
+                     f"{_mark(r, 0.95)}; whole runs (tok/s) {s.tok_per_s / g.tok_per_s:.2f}{share}"))
     return out
 
 

@@ -6,7 +6,8 @@
              bf16     the same in bf16, native `--dtype auto`; left out where the probe finds no bf16 math
                       (there vLLM's bf16 matmuls crawl: hours a run)
              batch1   batch 1, `--dtype auto` against llama.cpp on the model's GGUF (decode steps), and MBU
-             prefill  64 prompts of 300 tokens, prefill MFU against the probe's peak in the chosen dtype
+             prefill  64 prompts of 300 tokens, prefill MFU against the matmul peak in the chosen dtype,
+                      measured beside each repeat
              wrapper  `--engine vllm` through batchgen against vLLM's own `generate` (vllm_wrapper)
            Each cell is the median of --repeats with the engines taking turns (batchgen bench).
     table  the targets judged on any bench runs' Parquet files (`batchgen bench --out`, `vllm_wrapper
