@@ -284,10 +284,11 @@ def verdicts(results: list[Measurement], conditions: dict | None = None) -> list
     for what, one in (("default", get("native:auto", 1, "greedy")), ("fp32", fp32(1, "greedy"))):
         if one and one.decode_mbu_p50 is not None:
             bw = one.peak_read_bytes_per_s
-            peak = "" if bw is None else f" of a {bw / 1e9:.1f} GB/s read peak (measured beside its repeats)"
+            where = "beside its repeats" if c.get("peak_read_beside_repeats") else "at the run's start"  # older runs
+            peak = "" if bw is None else f" of a {bw / 1e9:.1f} GB/s read peak (measured {where})"
             out.append(Verdict(
                 f"batch 1, decode MBU at the median step, {what}", tok(one, one.decode_tok_per_s),
-                "the read peak beside its repeats" + ("" if bw is None else f", {bw / 1e9:.1f} GB/s"),
+                f"the read peak {where}" + ("" if bw is None else f", {bw / 1e9:.1f} GB/s"),
                 one.decode_mbu_p50, 0.6,
                 "MBU", f"  batch 1 decode MBU at the median step, {what} ({one.engine}, {one.dtype}): "
                        f"{one.decode_mbu_p50:.2f}{peak} (target 0.60) "
