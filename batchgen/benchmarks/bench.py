@@ -490,9 +490,7 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                   "cached_probe_read_bytes_per_s": probe.get("peak_read_bytes_per_s"),
                   "cached_probe": f"{probe.get('probe_source')}, measured {probe.get('probe_measured_at')}",
                   "peers_failed": failed,
-                  "prompts": (f"chat prompts of {prompt_tokens} tokens (held instructions joined and cut)"
-                              if prompt_tokens else f"few-shot chat prompts of the held tasks, {min(map(len, held))} to "
-                                                    f"{max(map(len, held))} tokens")}
+                  "prompts": prompts_text(held, prompt_tokens)}
     if "llama.cpp" in engines and "llama.cpp" not in failed:
         from batchgen.benchmarks import peers as outside
 
@@ -614,6 +612,12 @@ def _start_peer(name: str, gguf: list[Path], model_dir, batches: list[int], max_
             cells.append(((f"vllm-generate:{'fp32' if dtype == 'float32' else 'bf16'}", dtype, measure, None),
                           runner.close))
     return cells
+
+
+def prompts_text(prompts: list[list[int]], prompt_tokens: int | None = None) -> str:
+    """The run's prompts, as its conditions record them."""
+    return (f"chat prompts of {prompt_tokens} tokens (held instructions joined and cut)" if prompt_tokens else
+            f"few-shot chat prompts of the held tasks, {min(map(len, prompts))} to {max(map(len, prompts))} tokens")
 
 
 def run_conditions(model_dir, new_tokens: int, repeats: int) -> dict:

@@ -75,9 +75,8 @@ def peak_matmul(device: str = "cpu", dtype: str = "float32", repeats: int = 3) -
 
     dev = torch.device(device)
     n = 2048 if dev.type == "cpu" else 8192
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(512 if dev.type == "cpu" else n, n, generator=gen).to(dev, getattr(torch, dtype))
-    b = torch.randn(n, n, generator=gen).to(dev, getattr(torch, dtype))
+    a = torch.randn(512 if dev.type == "cpu" else n, n, device=dev).to(getattr(torch, dtype))
+    b = torch.randn(n, n, device=dev).to(getattr(torch, dtype))
     return matmul_flops(a, b, device, repeats)
 
 
