@@ -535,7 +535,6 @@ inline void row_max(float* s, __mmask32 mask, float scale, float cap, float& m, 
   m = m_new;
 }
 
-// one row's masked scores s [32], max m, alpha -> weights p [16] (bf16 pairs), per-lane sum l [16]
 // e^x for weights that are rounded to bf16 next (x = a score less its row's max, <= 0; -inf where
 // masked): 2^n (scalef) times 2^f, f = x log2(e) - n in [-0.5, 0.5], by its degree-5 Taylor polynomial
 // (relative error under 4e-6, against bf16's 2^-9 rounding); 0 at x <= -87, as vexp. Half of vexp's
@@ -553,6 +552,7 @@ inline __m512 exp_weight(__m512 x) {
   return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GT_OQ), p, n);
 }
 
+// one row's masked scores s [32], max m, alpha -> weights p [16] (bf16 pairs), per-lane sum l [16]
 inline void row_weights(const float* s, float m, float alpha, uint32_t* p, float* l) {
   const __m512 mv = _mm512_set1_ps(m);
   const __m512 e0 = exp_weight(_mm512_sub_ps(_mm512_load_ps(s), mv)), e1 = exp_weight(_mm512_sub_ps(_mm512_load_ps(s + LANES), mv));
