@@ -385,13 +385,13 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
         a quiet moment of a shared machine and the cells minutes later in a busy one. So is the matmul
         peak in each native cell's dtype, and the repeat's prefill MFU is against that (the bf16 peak read
         1,287-1,827 GFLOP/s at the starts of four runs in one hour)."""
+        prefilled = {dtype for name, dtype, *_ in group if name.startswith("native") and dtype in peak_flops}
         for b in batches:
             compile_s = {name: warm_up(b) if warm_up else None for name, _, _, warm_up in group}
             runs: dict[tuple[str, str], list[dict]] = {(name, mode): [] for name, *_ in group for mode in modes}
             for rep in range(repeats):
                 peak = peak_read(device) if peak_bw else None
                 beside.append(peak)
-                prefilled = {dtype for name, dtype, *_ in group if name.startswith("native") and dtype in peak_flops}
                 flops = {d: peak_matmul(device, d)[0] for d in sorted(prefilled)}
                 for d, f in flops.items():
                     beside_flops.setdefault(d, []).append(f)
