@@ -211,7 +211,10 @@ def test_vllm_on_cpu_samples_seeded_rows_whose_prompts_take_several_steps(runs, 
         steps, done = run_all(e)
         assert len(steps) > 6 + 1 and all(len(done[r].output_token_ids) == 6 for r in rows)
         prefills = [s.num_prefill_tokens for s in steps if s.num_prefill_tokens]
-        assert sum(prefills) == sum(map(len, rows.values())) and len(prefills) >= 4, prefills  # the budget split them
+        # every prompt token computed once. The budget (512, whole prompts: asserted above) splits these 1,656
+        # tokens over at least four of the core's steps; how many of batchgen's steps they show in is timing:
+        # vLLM's core runs in its own process, and on a loaded machine one step() gathered two (CI, 2026-12-07)
+        assert sum(prefills) == sum(map(len, rows.values())), prefills
         outputs.append({r: done[r].output_token_ids for r in rows})
     assert outputs[0] == outputs[1]
 
