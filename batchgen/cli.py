@@ -121,10 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--engines", default="native,vllm,hf,llama.cpp,vllm-generate",
                        help="comma-separated: native, vllm (through batchgen), hf (the naive baseline), and the outside "
                             "peers llama.cpp (llama-cpp-python on the model's GGUF) and vllm-generate (vLLM's own "
-                            "LLM.generate, fp32 and bf16; vllm-generate:fp32 or :bf16 runs one); a peer that is not installed is left out with a line, and one "
+                            "LLM.generate, fp32 and bf16; vllm-generate:fp32 or :bf16 runs one), each on this process's cores "
+                            "(vllm-generate:fp32:default keeps vLLM's own binding, one core reserved: shown, not "
+                            "judged); a peer that is not installed is left out with a line, and one "
                             "that fails is reported under the table and left out of the rest of the run")
-    bench.add_argument("--native-variants", default="eager,compiled,onednn,auto,loose,int4,gguf",
-                       help="the native engine's variants to measure (comma-separated)")
+    bench.add_argument("--native-variants", default="default,eager,compiled,onednn,auto,loose,int4,gguf",
+                       help="the native engine's variants to measure (comma-separated); default is what "
+                            "`batchgen generate` runs with its default flags, the row the targets judge")
     bench.add_argument("--batches", default="1,8,64,256", help="requests in flight, comma-separated")
     bench.add_argument("--modes", default="greedy,sampled", help="greedy, sampled (T 0.7, top-p 0.95)")
     bench.add_argument("--repeats", type=int, default=1,

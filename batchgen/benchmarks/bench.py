@@ -37,21 +37,31 @@ import gc
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from batchgen.benchmarks.bench_results import Measurement, compare
-from batchgen.config import ENGINES, EngineConfig, SamplingParams
+from batchgen.config import DTYPE_BYTES, ENGINES, EngineConfig, SamplingParams, kv_bytes_per_token
 
 MIN_PROMPTS = 4  # batch 1 runs four prompts one after another
 # the same seed tasks with their answers (CC BY-NC, the licence beside it), for the grid's few-shot prompts
 HELD_TASKS = Path(__file__).parent / "data" / "held_tasks.jsonl"
 PROMPT_TOKENS = (100, 500)  # the grid's chat prompts span this many tokens, as real dataset-generation prompts do
 MODES = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p=0.95)}
-# the native engine's variants (`--native-variants`): fp32 eager; compiled; compiled on oneDNN's fp32
+# the native engine's variants (`--native-variants`): default, what `batchgen generate` runs with its
+# default flags (the row the targets judge); fp32 eager; compiled; compiled on oneDNN's fp32
 # kernel; --dtype auto (batch-invariant, the default); --dtype auto --batch-invariant off (`loose`: the
 # fastest kernels for the batch, whose rows depend on it); int4 weights; the GGUF's own blocks
-NATIVE_VARIANTS = ("eager", "compiled", "onednn", "auto", "loose", "int4", "gguf")
+NATIVE_VARIANTS = ("default", "eager", "compiled", "onednn", "auto", "loose", "int4", "gguf")
+# the protocol, fixed before a run and recorded with it (conditions["protocol"]); never changed after one
+PROTOCOL = ("each cell: --repeats runs, the engines taking turns in an order that rotates each repeat, after an "
+            "untimed warm-up each; the repeat of median tok/s is the cell, every repeat's tok/s is kept "
+            "(repeat_tok_per_s) and none is dropped; prefill included, EOS ignored; every engine computes on this "
+            "process's cores (vLLM's model bound to them by VLLM_CPU_OMP_THREADS_BIND, llama.cpp with as many "
+            "threads as torch); MBU against the read peak measured beside each repeat; prefill MFU = the cell's "
+            "median prefill tok/s x a prompt token's matmul FLOPs / the median of the matmul peaks measured beside "
+            "its repeats, in its dtype")
 COPY_TEMPLATE = "Repeat the following text exactly, word for word, and nothing else:\n\n{text}"
 
 
@@ -160,7 +170,7 @@ def _percentiles(gaps: list[float]) -> dict[str, float | None]:
 def run_engine(engine, prompt_ids: list[list[int]], batch: int, params: SamplingParams, peak_bw: float | None,
                tag: str) -> dict:
     """Feed `batch` prompts at a time, step to the end; tokens, seconds, ITL gaps, MBU, drafts."""
-    tokens = bytes_read = drafts = accepted = dec_bytes = dec_tokens = pre_tokens = cached = 0
+    tokens = bytes_read = drafts = accepted = dec_bytes = dec_tokens = pre_tokens = cached = preempted = 0
     dec_s = pre_s = 0.0
     dec_steps: list[float] = []
     picks = hasattr(engine, "sample_seconds")  # the native engine's time choosing tokens; peers report none
@@ -189,6 +199,7 @@ def run_engine(engine, prompt_ids: list[list[int]], batch: int, params: Sampling
                 pre_s += r.end_t - r.start_t
             drafts += r.num_draft_tokens
             accepted += r.num_accepted_tokens
+            preempted += r.num_preempted or 0
             for rid in r.token_request_ids:
                 if rid in last:
                     gaps.append(r.end_t - last[rid])
@@ -208,7 +219,7 @@ def run_engine(engine, prompt_ids: list[list[int]], batch: int, params: Sampling
             "sample_share": pick_s / dec_s if picks and dec_s else None,
             "decode_tok_per_s": dec_tokens / dec_s if dec_s else None,
             "prefill_tok_per_s": pre_tokens / pre_s if pre_s else None,
-            "cached_prompt_tokens": cached, "outputs": [outputs[i] for i in sorted(outputs)]}
+            "cached_prompt_tokens": cached, "preemptions": preempted, "outputs": [outputs[i] for i in sorted(outputs)]}
 
 
 def prompt_token_flops(model_dir) -> int:
@@ -224,16 +235,54 @@ def prompt_token_flops(model_dir) -> int:
 
 def make_engine(name: str, model_dir, dtype: str, max_num_seqs: int, max_model_len: int, kv_tokens: int,
                 k: int = 0, quantization: str = "none", compile_: str = "off", fp32_kernel: str = "auto",
-                batch_invariant: str = "on"):
+                batch_invariant: str = "on", prefix_caching: bool = False):
     from batchgen.engine import create_engine
 
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype, quantization=quantization,
                        compile=compile_ if name == "native" else "auto",
                        kv_cache_tokens=kv_tokens,  # room for every row in flight: no preemption
                        max_num_batched_tokens=max(4096, max_model_len), speculative_ngram=k,
-                       enable_prefix_caching=False,  # the variants share no prefix; keep it a pure decode test
+                       # the study variants turn it off (a pure decode test); `default` keeps generate's
+                       enable_prefix_caching=prefix_caching,
                        fp32_kernel=fp32_kernel, batch_invariant=batch_invariant)
     return create_engine(name, model_dir, cfg)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One of the native engine's measured configurations (`--native-variants`)."""
+
+    name: str  # native, native:compiled, native:default, ...
+    dtype: str
+    quantization: str = "none"
+    compile: str = "off"
+    fp32_kernel: str = "auto"
+    batch_invariant: str = "on"
+    prefix_caching: bool = False
+
+
+def default_variant(name: str = "native") -> Variant:
+    """What `batchgen generate` runs with its default flags (EngineConfig's defaults); the bench sets only
+    the batch width, the context length and a KV pool that holds every row (said beside its row)."""
+    d = EngineConfig()
+    return Variant(f"{name}:default", d.dtype, d.quantization, d.compile, d.fp32_kernel, d.batch_invariant,
+                   d.enable_prefix_caching)
+
+
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process and every process under it (vLLM's engine core runs
+    in a child): what an engine's run cost in compute, whichever process did the work."""
+    import psutil
+
+    total = 0.0
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:  # exited between the listing and the read
+            continue
+    return total
 
 
 # ---- Hugging Face transformers: the reference peer ------------------------------------------------------
@@ -329,12 +378,14 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
     def record(m: Measurement, extra: dict) -> Measurement:
         for k, v in extra.items():
             setattr(m, k, v)
-        if m.prefill_mfu is None and m.engine.startswith("native") and m.prefill_tok_per_s and peak_flops.get(m.dtype):
-            m.prefill_mfu = m.prefill_tok_per_s * flops_per_token / peak_flops[m.dtype]  # no peak beside its repeats
         results.append(m)
-        if m.cached_prompt_tokens:  # a run's prompts are new to every engine: a hit means one was served, not computed
+        if m.cached_prompt_tokens and m.engine != "native:default":  # a run's prompts are new to every engine:
+            # a hit means one was served, not computed (native:default shares the chat template's head
+            # within a batch, as vLLM's own cache does inside a call)
             log(f"  WARNING: {m.engine} batch {m.batch}: {m.cached_prompt_tokens} prompt tokens came from its "
                 "prefix cache")
+        if m.preemptions:  # a peer or engine that had to preempt inside a timed call: flagged
+            log(f"  WARNING: {m.engine} batch {m.batch}: {m.preemptions} preemptions in its timed calls")
         log(f"  {m.engine:<15} {m.dtype:<9} batch {m.batch:>3} {m.mode:<8} {m.workload:<5} k={m.speculative_k} "
             f"{m.tok_per_s:8.1f} tok/s")
         return m
@@ -346,34 +397,32 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
     gguf = sorted(Path(model_dir).glob("*.gguf"))
     has_gguf = bool(gguf) and not isinstance(ggml.load(), str)
 
-    variants = []  # (name, dtype, quantization, compile, fp32 kernel[, batch_invariant])
+    variants: list[Variant] = []
     # fp32 on batchgen's gemv where it builds, with oneDNN's as its peer: not `auto`, which takes one
     # of them for the band of max(batches) and so would put every batch on the same one
     has_gemv = fp32_kernel("auto", "cpu")[0] is not None
     fp32 = "gemv" if has_gemv else "auto"
     for name in [e for e in engines if not is_peer(e)]:
-        variants.append((name, "float32", "none", "off", fp32 if name == "native" else "auto"))
+        if name == "native":
+            variants.append(default_variant())
+        variants.append(Variant(name, "float32", fp32_kernel=fp32 if name == "native" else "auto"))
         if name == "native":  # eager above; below, the decode step compiled per bucket (warmed up first)
-            variants.append(("native:compiled", "float32", "none", "on", fp32))
+            variants.append(Variant("native:compiled", "float32", compile="on", fp32_kernel=fp32))
             if has_gemv:
-                variants.append(("native:onednn", "float32", "none", "on", "onednn"))
-            variants.append(("native:auto", "auto", "none", "on", "auto"))
-            variants.append(("native:loose", "auto", "none", "on", "auto", "off"))
+                variants.append(Variant("native:onednn", "float32", compile="on", fp32_kernel="onednn"))
+            variants.append(Variant("native:auto", "auto", compile="on"))
+            variants.append(Variant("native:loose", "auto", compile="on", batch_invariant="off"))
             if can_int4("cpu"):  # the 4-bit weight path, measured where it loses too
-                variants.append(("native:int4", "bfloat16", "int4", "on", "auto"))
+                variants.append(Variant("native:int4", "bfloat16", "int4", compile="on"))
             if has_gguf:  # the GGUF's own Q4_1 / Q8_0 blocks (batchgen's qgemv kernel), float32 activations
-                variants.append(("native:gguf", "float32", "gguf", "on", "auto"))
-    variants = [v for v in variants if v[0].split(":")[0] != "native" or
-                (v[0].split(":") + ["eager"])[1] in native_variants]
+                variants.append(Variant("native:gguf", "float32", "gguf", compile="on"))
+    variants = [v for v in variants if v.name.split(":")[0] != "native" or
+                (v.name.split(":") + ["eager"])[1] in native_variants]
 
     beside: list[float] = []  # the read peak measured beside each repeat of each cell, in order
     beside_flops: dict[str, list[float]] = {}  # the matmul peak beside each repeat, per dtype a cell prefilled in
 
-    def mfu(run: dict) -> float | None:
-        return (run["prefill_tok_per_s"] * flops_per_token / run["peak_flops"]
-                if run.get("prefill_tok_per_s") and run.get("peak_flops") else None)
-
-    def measure_cells(group: list[tuple[str, str, Callable, Callable | None]]) -> None:
+    def measure_cells(group: list[tuple[str, str, Callable, Callable | None, dict]]) -> None:
         """Each batch's cells measured `repeats` times, the median kept. The variants of one engine
         (the native engine's: eager, compiled, best dtype, int4) are measured interleaved, one after
         another in each cell, their order rotating with each repeat; a variant's two modes run back to
@@ -383,11 +432,13 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
         and returns the seconds compiled. The read peak is measured again before each repeat, and the
         repeat's MBU is against it (`measure(b, mode, peak)`): the probe at the run's start can fall in
         a quiet moment of a shared machine and the cells minutes later in a busy one. So is the matmul
-        peak in each native cell's dtype, and the repeat's prefill MFU is against that (the bf16 peak read
-        1,287-1,827 GFLOP/s at the starts of four runs in one hour)."""
+        peak in each native cell's dtype, and the cell's prefill MFU is its median prefill rate against
+        the median of those (one denominator, fixed before the run: PROTOCOL). Each measure is timed in
+        CPU seconds too (tree_cpu_s), and each cell says where its engine computed (`where`: cores,
+        threads)."""
         prefilled = {dtype for name, dtype, *_ in group if name.startswith("native") and dtype in peak_flops}
         for b in batches:
-            compile_s = {name: warm_up(b) if warm_up else None for name, _, _, warm_up in group}
+            compile_s = {name: warm_up(b) if warm_up else None for name, _, _, warm_up, _ in group}
             runs: dict[tuple[str, str], list[dict]] = {(name, mode): [] for name, *_ in group for mode in modes}
             for rep in range(repeats):
                 peak = peak_read(device) if peak_bw else None
@@ -396,27 +447,37 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                 for d, f in flops.items():
                     beside_flops.setdefault(d, []).append(f)
                 order = group[rep % len(group):] + group[:rep % len(group)]
-                for i, (name, dtype, measure, _) in enumerate(order):  # a variant's modes back to back
+                for i, (name, dtype, measure, _, _) in enumerate(order):  # a variant's modes back to back
                     for mode in (modes if (rep + i) % 2 == 0 else modes[::-1]):
+                        cpu0 = tree_cpu_s()
                         got = measure(b, mode, peak)
                         if got is not None:  # None: this engine does not run this mode
-                            runs[(name, mode)].append({**got, "peak_read_bytes_per_s": peak, "peak_flops":
+                            runs[(name, mode)].append({**got, "cpu_s": tree_cpu_s() - cpu0,
+                                                       "peak_read_bytes_per_s": peak, "peak_flops":
                                                        flops.get(dtype) if name.startswith("native") else None})
-            for name, dtype, _, _ in group:
+            for name, dtype, _, _, where in group:
                 for mode in modes:
                     if not runs[(name, mode)]:
                         continue
-                    ms = sorted(runs[(name, mode)], key=lambda m: m["tokens"] / m["seconds"])
+                    in_time = runs[(name, mode)]  # every repeat, in the order measured: all kept in the record
+                    ms = sorted(in_time, key=lambda m: m["tokens"] / m["seconds"])
                     rates = [m["tokens"] / m["seconds"] for m in ms]
                     med = ms[len(ms) // 2]
+                    preempted = [m.get("preemptions") for m in ms]
+                    prefill = _median(m.get("prefill_tok_per_s") for m in ms)
+                    peak_f = _median(m["peak_flops"] for m in ms)
                     # repeats: those measured (a peer that died mid-cell has fewer)
                     record(Measurement("grid", name, dtype, b, mode, "held", 0, len(grid_prompts(b)), 0, 0.0),
                            {**med, "repeats": len(ms), "compile_s": compile_s[name],
+                            "repeat_tok_per_s": [m["tokens"] / m["seconds"] for m in in_time],
+                            "cpu_s": _median(m["cpu_s"] for m in ms), **where,
+                            "preemptions": None if None in preempted else sum(preempted),
                             "step_itl_p50_s": _median(m.get("itl_p50_s") for m in ms),
                             "decode_mbu_p50": _median(m.get("decode_mbu_p50") for m in ms),
                             "peak_read_bytes_per_s": _median(m["peak_read_bytes_per_s"] for m in ms),
-                            "prefill_mfu": _median(mfu(m) for m in ms),
-                            "peak_flops": _median(m["peak_flops"] for m in ms),
+                            "prefill_tok_per_s": prefill,
+                            "prefill_mfu": (prefill * flops_per_token / peak_f if prefill and peak_f else None),
+                            "peak_flops": peak_f,
                             "spread": (rates[-1] - rates[0]) / rates[len(ms) // 2] if len(ms) > 1 else None})
 
     def engine_cell(engine, compiled: bool) -> tuple[Callable, Callable | None]:
@@ -433,25 +494,31 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
 
         return measure, (warm_up if compiled else None)
 
+    from batchgen.benchmarks import peers as outside
+
     failed: dict[str, str] = {}  # outside peers that died in this run: where, and what they raised
     peers = _peer_cells([e for e in engines if is_peer(e)], gguf, model_dir, batches, max_len, kv_tokens, new_tokens,
                         grid_prompts, log, failed)
     for engine_name in [e for e in engines if not is_peer(e)]:
-        group_variants = [v for v in variants if v[0].split(":")[0] == engine_name]
-        log(f"{', '.join(f'{n} ({d})' for n, d, *_ in group_variants)} ...")
+        group_variants = [v for v in variants if v.name.split(":")[0] == engine_name]
+        log(f"{', '.join(f'{v.name} ({v.dtype})' for v in group_variants)} ...")
         if engine_name == "hf":
             runner = HFRunner(model_dir, "float32")
             measure_cells([("hf", "float32", lambda b, mode, peak: runner.run(grid_prompts(b), b, mode, new_tokens,
-                                                                              peak), None)])
+                                                                              peak), None,
+                            {"cores": outside.this_process_cores(), "threads": _threads()})])
             del runner
             gc.collect()
             continue
-        built = [(name, make_engine(engine_name, model_dir, dtype, max(batches), max_len, kv_tokens,
-                                    quantization=quantization, compile_=compile_, fp32_kernel=kernel,
-                                    batch_invariant=(inv or ("on",))[0]), compile_ == "on")
-                 for name, dtype, quantization, compile_, kernel, *inv in group_variants]
+        built = [(v.name, make_engine(engine_name, model_dir, v.dtype, max(batches), max_len, kv_tokens,
+                                      quantization=v.quantization, compile_=v.compile, fp32_kernel=v.fp32_kernel,
+                                      batch_invariant=v.batch_invariant, prefix_caching=v.prefix_caching),
+                  v.compile != "off")
+                 for v in group_variants]
         # the outside peers take turns with the native variants inside each cell (see measure_cells)
-        cells = [(name, e.conditions().get("dtype", "float32"), *engine_cell(e, compiled)) for name, e, compiled in built]
+        here = {"cores": outside.this_process_cores(), "threads": _threads()}
+        cells = [(name, e.conditions().get("dtype", "float32"), *engine_cell(e, compiled), here)
+                 for name, e, compiled in built]
         measure_cells(cells + ([c for c, _ in peers] if engine_name == "native" else []))
         for _, e, _ in built:
             e.close()
@@ -511,9 +578,14 @@ VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # vllm-generate:fp32 / :b
 
 def is_peer(name: str) -> bool:
     """An outside peer's name: llama.cpp, vllm-generate, or vllm-generate:fp32 / :bf16 (one dtype: on a
-    CPU without bf16 math vLLM's bf16 crawls, and a batch-256 run of it takes most of an hour)."""
-    base, _, dtype = name.partition(":")
-    return base in PEERS and (not dtype or (base == "vllm-generate" and dtype in VLLM_DTYPES))
+    CPU without bf16 math vLLM's bf16 crawls, and a batch-256 run of it takes most of an hour), each
+    computing on this process's cores; `:default` after the dtype keeps vLLM's own binding instead (one
+    core reserved for its scheduler: shown, never judged)."""
+    base, *rest = name.split(":")
+    if base == "llama.cpp":
+        return not rest
+    return (base == "vllm-generate" and len(rest) <= 2 and (not rest or rest[0] in VLLM_DTYPES)
+            and (len(rest) < 2 or rest[1] == "default"))
 
 
 def _outlived(name: str, what: str, call: Callable, failed: dict[str, str], log) -> Callable:
@@ -551,9 +623,9 @@ def _peer_cells(names: list[str], gguf: list[Path], model_dir, batches: list[int
             log(f"{peer} failed, left out of this run ({failed[peer]})")
             continue
         cells += [((name, dtype, _outlived(name, "measuring", measure, failed, log),
-                    warm_up and _outlived(name, "warming up", warm_up, failed, log)),
+                    warm_up and _outlived(name, "warming up", warm_up, failed, log), where),
                    _outlived(name, "closing", close, failed, log))
-                  for (name, dtype, measure, warm_up), close in started]
+                  for (name, dtype, measure, warm_up, where), close in started]
     return cells
 
 
@@ -569,7 +641,7 @@ def _start_peer(name: str, gguf: list[Path], model_dir, batches: list[int], max_
         if why:
             log(f"llama.cpp left out: {why}")
             return cells
-        runner = peers.LlamaCppRunner(gguf[0], max(batches), max_len, _threads())
+        runner = peers.LlamaCppRunner(gguf[0], max(batches), max_len, _threads())  # as many threads as native
         if runner.note:
             log(f"llama.cpp: {runner.note}")
 
@@ -584,10 +656,11 @@ def _start_peer(name: str, gguf: list[Path], model_dir, batches: list[int], max_
                     "prefill_tok_per_s": m["prefill_tokens"] / m["prefill_s"] if m["prefill_s"] else None,
                     "decode_mbu": nbytes * len(steps) / m["decode_s"] / peak_bw if peak_bw and m["decode_s"] else None,
                     "decode_mbu_p50": nbytes / steps[len(steps) // 2] / peak_bw if peak_bw and steps else None,
-                    "outputs": m["outputs"]}
+                    # one KV stream per sequence, each sized for its longest row: it cannot preempt
+                    "preemptions": 0, "outputs": m["outputs"]}
 
-        cells.append(((name, "Q4_1", measure, lambda b, runner=runner: runner.run(grid_prompts(b), b, 4) and None),
-                      runner.close))
+        cells.append(((name, "Q4_1", measure, lambda b, runner=runner: runner.run(grid_prompts(b), b, 4) and None,
+                       {"cores": peers.this_process_cores(), "threads": _threads()}), runner.close))
     elif name.startswith("vllm-generate"):
         try:
             import vllm  # noqa: F401
@@ -595,22 +668,30 @@ def _start_peer(name: str, gguf: list[Path], model_dir, batches: list[int], max_
             log(f"vllm-generate left out: vLLM is not installed ({e})")
             return cells
         shape = read_hf_shape(model_dir)
-        wanted = [VLLM_DTYPES[name.partition(":")[2]]] if ":" in name else list(VLLM_DTYPES.values())
+        _, *rest = name.split(":")
+        wanted = [VLLM_DTYPES[rest[0]]] if rest else list(VLLM_DTYPES.values())
+        own_binding = rest[1:] == ["default"]
+        cores = None if own_binding else peers.this_process_cores()  # equal compute: native's cores
         if len(wanted) > 1:
             log("vllm-generate: its fp32 and bf16 engines stay alive through the run, and vLLM pins each one's "
                 "worker to the same cores (`core ids` in its log): on a 2-core Xeon, vLLM's bf16 at batch 64 "
                 "read 398-410 tok/s beside its fp32 engine and 490 alone (2026-12-06). For a figure to judge "
                 "by, name one dtype a run: vllm-generate:bf16 or vllm-generate:fp32")
-        for dtype in wanted:  # the same KV room as the native engine's, in vLLM's dtype
-            kv_bytes = kv_tokens * 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * (
-                4 if dtype == "float32" else 2)
-            runner = peers.VllmOwnRunner(model_dir, dtype, max(batches), max_len, kv_bytes)
+        for dtype in wanted:  # room for every row in flight, in vLLM's own blocks and dtype
+            per_token = kv_bytes_per_token(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
+                                           DTYPE_BYTES[dtype])
+            kv_bytes = max(peers.vllm_kv_bytes(sorted((len(p) for p in grid_prompts(b)), reverse=True)[:b],
+                                                   new_tokens, per_token)
+                           for b in batches)
+            runner = peers.VllmOwnRunner(model_dir, dtype, max(batches), max_len, kv_bytes, cores=cores)
 
             def measure(b: int, mode: str, peak_bw: float | None, runner=runner) -> dict:
                 return runner.run(grid_prompts(b), b, new_tokens, **MODES[mode])  # no per-step times: no MBU
 
-            cells.append(((f"vllm-generate:{'fp32' if dtype == 'float32' else 'bf16'}", dtype, measure, None),
-                          runner.close))
+            tag = f"vllm-generate:{'fp32' if dtype == 'float32' else 'bf16'}" + (":default" if own_binding else "")
+            where = ({"cores": "vLLM's default (one core reserved for its scheduler)", "threads": None}
+                     if own_binding else {"cores": cores, "threads": len(peers.cpu_ids(cores))})
+            cells.append(((tag, dtype, measure, None, where), runner.close))
     return cells
 
 
@@ -622,12 +703,17 @@ def prompts_text(prompts: list[list[int]], prompt_tokens: int | None = None) -> 
 
 def run_conditions(model_dir, new_tokens: int, repeats: int) -> dict:
     """What every bench run records of its conditions: when, the model, the CPU (its name, family,
-    model and vector flags, read at run time), cores, torch threads and the packages' versions."""
+    model and vector flags, read at run time), cores (and those it may use), torch threads, the
+    protocol and the packages' versions."""
+    from batchgen.benchmarks.peers import this_process_cores
     from batchgen.metrics.conditions import cpu_features, cpu_model, package_versions
 
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": str(model_dir), "cpu": cpu_model(),
             "cpu_features": cpu_features(), "machine": platform.machine(), "cores": os.cpu_count(),
-            "new_tokens": new_tokens, "repeats": repeats, "torch_threads": _threads(), "packages": package_versions()}
+            # the CPUs this run's engines computed on (taskset / cgroups narrow it below `cores`)
+            "cores_used": this_process_cores(),
+            "new_tokens": new_tokens, "repeats": repeats, "torch_threads": _threads(), "protocol": PROTOCOL,
+            "packages": package_versions()}
 
 
 def _threads() -> int:

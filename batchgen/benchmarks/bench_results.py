@@ -45,6 +45,11 @@ class Measurement:
     # over the repeats, each against the matmul peak measured beside it)
     peak_flops: float | None = None  # that peak: the median of those beside its repeats
     cached_prompt_tokens: int | None = None  # served by the engine's prefix cache (0: every prompt computed)
+    cores: str | None = None  # the CPUs its compute threads ran on ("0-1"), or how its engine chose them
+    threads: int | None = None  # its compute threads
+    cpu_s: float | None = None  # CPU seconds (user + system, every process of the bench) of the median repeat
+    preemptions: int | None = None  # rows preempted in its timed calls, all repeats (None: the engine does not say)
+    repeat_tok_per_s: list = field(default_factory=list)  # every repeat's tok/s, in the order measured
     outputs: list = field(default_factory=list, repr=False)  # token ids per prompt (not written)
 
     @property
@@ -142,8 +147,8 @@ def format_bench(results: list[Measurement], conditions: dict) -> str:
                  f"{'pre MFU':>7} "
                  f"{'vs best peer':>12} "
                  f"{'ITL p50 ms':>10} {'p95':>7} {'p99':>7} {'MBU':>5} {'dec MBU':>7} {'agree fp32':>10} {'compile s':>9} "
-                 f"{'pick %':>6}"
-                 + (f" {'spread':>6}" if reps > 1 else "")]
+                 f"{'pick %':>6} {'cores':>6} {'thr':>3} {'CPU s':>7} {'preempt':>7}"
+                 + (f" {'spread':>6} {'repeats tok/s (in order)'}" if reps > 1 else "")]
     for m in (r for r in results if r.section == "grid"):
         ms = lambda v: _fmt(None if v is None else 1000 * v, ".1f")  # noqa: E731
         lines.append(f"{m.engine:<18} {m.dtype:<9} {m.batch:>5} {m.mode:<8} {m.tok_per_s:>8.1f} "
@@ -152,8 +157,11 @@ def format_bench(results: list[Measurement], conditions: dict) -> str:
                      f"{_fmt(m.vs_best_peer, '.2f') + ('x' if m.vs_best_peer else ''):>12} {ms(m.itl_p50_s):>10} {ms(m.itl_p95_s):>7} "
                      f"{ms(m.itl_p99_s):>7} {_fmt(m.mbu, '.2f'):>5} {_fmt(m.decode_mbu, '.2f'):>7} "
                      f"{_fmt(m.agreement_fp32, '.2f'):>10} {_fmt(m.compile_s, '.1f'):>9} "
-                     f"{_fmt(None if m.sample_share is None else 100 * m.sample_share, '.1f'):>6}"
-                     + (f" {_fmt(None if m.spread is None else 100 * m.spread, '.0f') + '%':>6}" if reps > 1 else ""))
+                     f"{_fmt(None if m.sample_share is None else 100 * m.sample_share, '.1f'):>6} "
+                     f"{(m.cores or '-') if len(m.cores or '') <= 6 else 'vLLM':>6} {_fmt(m.threads, 'd'):>3} "
+                     f"{_fmt(m.cpu_s, '.1f'):>7} {_fmt(m.preemptions, 'd') + ('!' if m.preemptions else ''):>7}"
+                     + (f" {_fmt(None if m.spread is None else 100 * m.spread, '.0f') + '%':>6} "
+                        + " ".join(f"{r:.1f}" for r in m.repeat_tok_per_s) if reps > 1 else ""))
     spec = [r for r in results if r.section == "speculative"]
     if spec:
         lines += ["", f"speculative decoding (n-gram), greedy, batch {spec[0].batch}: "
@@ -167,6 +175,11 @@ def format_bench(results: list[Measurement], conditions: dict) -> str:
         lines += ["", "peers that failed in this run, left out from then on (the cells above are those measured "
                       "before; their repeats are in the Parquet):",
                   *(f"  {name}, {why}" for name, why in c["peers_failed"].items())]
+    if any(m.cores and len(m.cores) > 6 for m in results):
+        lines.append("cores 'vLLM': vLLM's own binding (one core reserved for its scheduler); '!': the cell preempted "
+                     "rows inside its timed calls")
+    if c.get("protocol"):
+        lines += ["", f"protocol: {c['protocol']}"]
     lines += ["", *targets(results, conditions)]
     return "\n".join(lines)
 
@@ -183,6 +196,24 @@ class Verdict:
     goal: float
     kind: str  # "x": a ratio against the peer; "MFU" or "MBU": a share of the peak
     line: str
+    cells: tuple = field(default=(), compare=False, repr=False)  # the measurements behind it: judged, then peer
+
+    @property
+    def repeats(self) -> int | None:
+        """The repeats behind the verdict: the fewest of its cells' (a peer that died has fewer)."""
+        return min((m.repeats for m in self.cells), default=None)
+
+    @property
+    def repeat_range(self) -> tuple[float, float] | None:
+        """A ratio's lowest and highest over the repeats, pairing each repeat of the judged cell with the
+        same repeat of its peer (the engines took turns within a repeat); None where they cannot pair."""
+        if self.kind != "x" or len(self.cells) != 2:
+            return None
+        a, b = (m.repeat_tok_per_s for m in self.cells)
+        if not a or len(a) != len(b) or not all(b):
+            return None
+        ratios = [x / y for x, y in zip(a, b)]
+        return min(ratios), max(ratios)
 
     @property
     def met(self) -> bool:
@@ -191,6 +222,14 @@ class Verdict:
     @property
     def verdict(self) -> str:
         return _mark(self.score, self.goal)
+
+
+def _on(m: Measurement) -> str:
+    """Where a cell's engine computed, as a table cell says it: ", cores 0-1, 2 threads"; older runs
+    recorded none."""
+    if m.cores is None:
+        return ""
+    return f", cores {m.cores}" + (f", {m.threads} threads" if m.threads else "")
 
 
 def _mark(score: float, goal: float) -> str:
@@ -202,9 +241,11 @@ def _cell(results: list[Measurement], engine: str, batch: int, mode: str) -> Mea
                 None)
 
 
-def _ratio(workload: str, native: str, peer: str, score: float, goal: float, line: str) -> Verdict:
-    return Verdict(workload, native, peer, score, goal, "x",
-                   f"{line}: {score:.2f}x (target {goal}x) {_mark(score, goal)}")
+def _ratio(workload: str, native: str, peer: str, score: float, goal: float, line: str, cells: tuple = ()) -> Verdict:
+    v = Verdict(workload, native, peer, score, goal, "x", f"{line}: {score:.2f}x (target {goal}x) {_mark(score, goal)}",
+                cells)
+    low_high = v.repeat_range
+    return replace(v, line=v.line + (f" (repeats {low_high[0]:.2f}-{low_high[1]:.2f}x)" if low_high else ""))
 
 
 def verdicts(results: list[Measurement], conditions: dict | None = None) -> list[Verdict]:
@@ -221,32 +262,45 @@ def verdicts(results: list[Measurement], conditions: dict | None = None) -> list
         return max(got, key=lambda m: m.tok_per_s) if got else None
 
     def tok(m: Measurement, rate: float | None = None) -> str:
-        return f"{m.tok_per_s if rate is None else rate:.1f} tok/s ({m.engine})"
+        return f"{m.tok_per_s if rate is None else rate:.1f} tok/s ({m.engine}{_on(m)})"
+
+    def vllm(m: Measurement, rate: float | None = None) -> str:
+        return f"vLLM `generate` {m.tok_per_s if rate is None else rate:.1f}{_on(m)}"
 
     out: list[Verdict] = []
     grid = [m for m in results if m.section == "grid"]
-    for b in (64, 256):  # against vLLM's own generate, in its dtype, prefill included
+    for b in (64, 256):  # against vLLM's own generate on the same cores, in its dtype, prefill included
         for dtype, tag in (("float32", "fp32"), ("bfloat16", "bf16")):
             peer = get(f"vllm-generate:{tag}", b, "greedy")
+            if not peer:
+                continue
+            # the row judged: what `batchgen generate` runs with default flags; where its dtype is not
+            # the peer's, the best native row in the peer's dtype (its flags differ: said in the row)
+            default = get("native:default", b, "greedy")
             mine = [m for m in grid if m.engine.startswith("native") and m.dtype == dtype and m.batch == b
                     and m.mode == "greedy" and m.engine != "native:gguf"]
-            auto = get("native:auto", b, "greedy")
-            if peer and mine:
-                best = max(mine, key=lambda m: m.tok_per_s)
-                out.append(_ratio(f"batch {b}, {dtype}", tok(best), f"vLLM `generate` {peer.tok_per_s:.1f}",
-                                  best.tok_per_s / peer.tok_per_s, 1.2,
-                                  f"  batch {b} {dtype} greedy, {best.engine} / vLLM's generate"))
-            elif peer and auto:  # e.g. bf16 on an AVX2 CPU, which has no bf16 math: auto takes float32
-                out.append(_ratio(f"batch {b}, vLLM in {dtype}, native:auto in {auto.dtype}", tok(auto),
-                                  f"vLLM `generate` {peer.tok_per_s:.1f}", auto.tok_per_s / peer.tok_per_s, 1.2,
+            auto = default or get("native:auto", b, "greedy")
+            judged = default if default and default.dtype == dtype else (
+                max(mine, key=lambda m: m.tok_per_s) if mine else None)
+            if judged:
+                flags = "" if judged is default else f" (not the default: --dtype {dtype})"
+                out.append(_ratio(f"batch {b}, {dtype}{flags}", tok(judged), vllm(peer),
+                                  judged.tok_per_s / peer.tok_per_s, 1.2,
+                                  f"  batch {b} {dtype} greedy, {judged.engine}{flags} / vLLM's generate",
+                                  (judged, peer)))
+            elif auto:  # e.g. bf16 on an AVX2 CPU, which has no bf16 math: auto takes float32
+                out.append(_ratio(f"batch {b}, vLLM in {dtype}, {auto.engine} in {auto.dtype}", tok(auto),
+                                  vllm(peer), auto.tok_per_s / peer.tok_per_s, 1.2,
                                   f"  batch {b} {dtype} greedy: no native row in {dtype} (--dtype auto takes "
-                                  f"{auto.dtype} on this CPU); native:auto / vLLM's generate in {dtype}"))
+                                  f"{auto.dtype} on this CPU); {auto.engine} / vLLM's generate in {dtype}",
+                                  (auto, peer)))
     for m in grid:  # vLLM through batchgen against vLLM's own generate, same dtype and workload
         peer = get(f"vllm-generate:{'bf16' if m.dtype == 'bfloat16' else 'fp32'}", m.batch, m.mode)
         if m.engine == "vllm" and peer:
             out.append(_ratio(f"batch {m.batch}, {m.dtype}, `--engine vllm` through batchgen", tok(m),
-                              f"vLLM `generate` {peer.tok_per_s:.1f}", m.tok_per_s / peer.tok_per_s, 0.95,
-                              f"  batch {m.batch} {m.dtype} {m.mode}, batchgen --engine vllm / vLLM's generate"))
+                              vllm(peer), m.tok_per_s / peer.tok_per_s, 0.95,
+                              f"  batch {m.batch} {m.dtype} {m.mode}, batchgen --engine vllm / vLLM's generate",
+                              (m, peer)))
     for b in sorted({m.batch for m in grid}):  # what batch invariance (the default) costs: at most 10%
         inv, loose = get("native:auto", b, "greedy"), get("native:loose", b, "greedy")
         if inv and loose:
@@ -257,31 +311,32 @@ def verdicts(results: list[Measurement], conditions: dict | None = None) -> list
                               f"off ({loose.dtype})"))
     llama = get("llama.cpp", 1, "greedy")
     if llama and llama.decode_tok_per_s:  # batch 1, decode steps only
-        for engine in ("native:auto", "native:gguf"):
+        for engine in ("native:default", "native:auto", "native:gguf"):
             m = get(engine, 1, "greedy")
             if m and m.decode_tok_per_s:
                 v = _ratio(f"batch 1, decode steps, {engine} ({m.dtype})", tok(m, m.decode_tok_per_s),
                            f"llama.cpp Q4_1 {llama.decode_tok_per_s:.1f}", m.decode_tok_per_s / llama.decode_tok_per_s,
-                           1.0, f"  batch 1 decode, {engine} ({m.dtype}) / llama.cpp Q4_1")
+                           1.0, f"  batch 1 decode, {engine} ({m.dtype}) / llama.cpp Q4_1",
+                           (m,))  # decode rates: no per-repeat pairs of them are kept, so no range
                 out.append(replace(v, line=f"{v.line}; with prefill {m.tok_per_s / llama.tok_per_s:.2f}x"))
-    peaks = c.get("peak_flops") or {}
-    for b in (64,):  # prefill in the chosen dtype against this run's matmul peak in it
-        m = get("native:auto", b, "greedy")
-        if m and m.prefill_mfu is not None:
+    for b in (64,):  # prefill in the chosen dtype against the matmul peak measured beside its repeats (the
+        # one denominator of PROTOCOL: a run without it is not judged on MFU)
+        m = get("native:default", b, "greedy") or get("native:auto", b, "greedy")
+        if m and m.prefill_mfu is not None and m.peak_flops:
             prompts = c.get("prompts", "held")
-            peak = m.peak_flops or peaks.get(m.dtype)  # beside its repeats; in older runs the run's start's
-            where = "beside its repeats" if m.peak_flops else "at the run's start"
             out.append(Verdict(
-                f"batch {b} prefill, {m.dtype}, {prompts}", f"{m.prefill_tok_per_s:,.0f} prompt tok/s ({m.engine})",
-                f"the {m.dtype} matmul peak {where}" + (f", {peak / 1e9:,.0f} GFLOP/s" if peak else ""),
+                f"batch {b} prefill, {m.dtype}, {prompts}",
+                f"{m.prefill_tok_per_s:,.0f} prompt tok/s ({m.engine}{_on(m)})",
+                f"the {m.dtype} matmul peak beside its repeats, {m.peak_flops / 1e9:,.0f} GFLOP/s",
                 m.prefill_mfu, 0.6, "MFU",
-                f"  batch {b} prefill MFU, native:auto ({m.dtype}): {m.prefill_mfu:.2f} of the peak matmul FLOP/s "
+                f"  batch {b} prefill MFU, {m.engine} ({m.dtype}): {m.prefill_mfu:.2f} of the peak matmul FLOP/s "
                 f"(target 0.60 on 64 prompts of 300 tokens; these: {prompts}) "
-                f"{_mark(m.prefill_mfu, 0.6)}"))
+                f"{_mark(m.prefill_mfu, 0.6)}", cells=(m,)))
     # judged at the median step, with the mean beside it: these runs share a noisy machine, and a slow
     # patch of a few seconds moves a run's total time (and so its tok/s) by more than a 5% target
     # (the default, on the bytes its weights take: the GGUF blocks where auto takes them; and fp32's)
-    for what, one in (("default", get("native:auto", 1, "greedy")), ("fp32", fp32(1, "greedy"))):
+    for what, one in (("default", get("native:default", 1, "greedy") or get("native:auto", 1, "greedy")),
+                      ("fp32", fp32(1, "greedy"))):
         if one and one.decode_mbu_p50 is not None:
             bw = one.peak_read_bytes_per_s
             where = "beside its repeats" if c.get("peak_read_beside_repeats") else "at the run's start"  # older runs
@@ -293,7 +348,7 @@ def verdicts(results: list[Measurement], conditions: dict | None = None) -> list
                 "MBU", f"  batch 1 decode MBU at the median step, {what} ({one.engine}, {one.dtype}): "
                        f"{one.decode_mbu_p50:.2f}{peak} (target 0.60) "
                        f"{_mark(one.decode_mbu_p50, 0.6)}; over all decode steps "
-                       f"{_fmt(one.decode_mbu, '.2f')}, whole run with prefill {_fmt(one.mbu, '.2f')}"))
+                       f"{_fmt(one.decode_mbu, '.2f')}, whole run with prefill {_fmt(one.mbu, '.2f')}", cells=(one,)))
     for engine in ("native", "native:compiled"):
         for b in sorted({m.batch for m in grid}):
             g, s = get(engine, b, "greedy"), get(engine, b, "sampled")

@@ -22,6 +22,7 @@ and vLLM the cpu extra, and a peer that is not installed is left out of its run 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -30,8 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.benchmarks.bench_results import Verdict, read_results, verdicts
+from batchgen.benchmarks.peers import cpu_ids
+from batchgen.model.prepare import DEFAULT_MODEL
 
-STEPS = ("fp32", "bf16", "batch1", "prefill", "wrapper")
+STEPS = ("fp32", "bf16", "batch1", "prefill", "wrapper", "vllm-default", "one-core")
 
 
 @dataclass(frozen=True)
@@ -41,21 +44,33 @@ class Step:
     out: Path  # the Parquet it writes
 
 
-def series(out_dir: Path, bf16_math: bool, model: str = "smollm2-135m", repeats: int = 3,
-           only: tuple[str, ...] = STEPS) -> tuple[list[Step], list[str]]:
-    """The runs that measure the targets, and a line for each one left out (and why)."""
+def series(out_dir: Path, bf16_math: bool, model: str = DEFAULT_MODEL, repeats: int = 3,
+           only: tuple[str, ...] = STEPS, batches: str = "64,256") -> tuple[list[Step], list[str]]:
+    """The runs that measure the targets, and a line for each one left out (and why); `batches`: the
+    widths of the fp32 and bf16 steps."""
     bench = [sys.executable, "-m", "batchgen.cli", "bench", "--model", model, "--modes", "greedy", "--repeats",
              str(repeats), "--speculative", "0"]
     dtype = "bfloat16" if bf16_math else "float32"
+    # the native row judged is `default` (generate's default flags); where those take bf16, the fp32
+    # comparison needs a float32 row too: the compiled fp32 step (its flags named in the verdict)
+    fp32_native = "default,compiled" if bf16_math else "default"
     plan = {
-        "fp32": [*bench, "--engines", "native,vllm-generate:fp32", "--native-variants", "compiled",
-                 "--batches", "64,256"],
-        "bf16": [*bench, "--engines", "native,vllm-generate:bf16", "--native-variants", "auto", "--batches", "64,256"],
-        "batch1": [*bench, "--engines", "native,llama.cpp", "--native-variants", "auto", "--batches", "1"],
-        "prefill": [*bench, "--engines", "native", "--native-variants", "auto", "--batches", "64",
+        "fp32": [*bench, "--engines", "native,vllm-generate:fp32", "--native-variants", fp32_native,
+                 "--batches", batches],
+        "bf16": [*bench, "--engines", "native,vllm-generate:bf16", "--native-variants", "default",
+                 "--batches", batches],
+        "batch1": [*bench, "--engines", "native,llama.cpp", "--native-variants", "default", "--batches", "1",
+                   "--repeats", str(max(repeats, 5))],  # the batch-1 target asks for at least 5 runs
+        "prefill": [*bench, "--engines", "native", "--native-variants", "default", "--batches", "64",
                     "--prompt-tokens", "300"],
         "wrapper": [sys.executable, "-m", "batchgen.benchmarks.vllm_wrapper", "--model", model, "--dtype", dtype,
                     "--repeats", str(repeats)],
+        # vLLM's own binding (a core reserved for its scheduler) beside native: shown, never judged
+        "vllm-default": [*bench, "--engines", "native,vllm-generate:fp32:default", "--native-variants", "default",
+                         "--batches", "64"],
+        # both engines on one core (taskset): native's and vLLM's scaling from one core to all
+        "one-core": ["taskset", "-c", str(min(os.sched_getaffinity(0))), *bench, "--engines",
+                     "native,vllm-generate:fp32", "--native-variants", "default", "--batches", "64"],
     }
     steps, skipped = [], []
     for name in only:
@@ -123,29 +138,94 @@ def cpu_label(conditions: dict) -> str:
 
 
 def _score(v: Verdict) -> str:
+    if v.kind == "x" and not v.goal:  # shown, not judged
+        return f"{v.score:.2f}x (not judged)"
     if v.kind == "x":
         return f"**{v.score:.2f}x** ({v.goal}x: {v.verdict})"
     return f"**{v.kind} {v.score:.2f}** ({v.goal}: {v.verdict})"
 
 
+def _cell(results, engine: str, batch: int):
+    return next((m for m in results if m.section == "grid" and (m.engine, m.batch, m.mode) == (engine, batch, "greedy")),
+                None)
+
+
+def _cores(c: dict) -> int:
+    """How many CPUs a run's engines computed on (older runs recorded only the machine's count)."""
+    used = c.get("cores_used")
+    return len(cpu_ids(used)) if used else int(c.get("cores") or 0)
+
+
+def shown(results, c: dict) -> list[Verdict]:
+    """Rows shown beside the targets, never judged: native against vLLM on its own default binding (one
+    core reserved for its scheduler), where a run measured it."""
+    out = []
+    for m in results:
+        if m.section == "grid" and m.mode == "greedy" and m.engine.startswith("vllm-generate:") \
+                and m.engine.endswith(":default"):
+            mine = _cell(results, "native:default", m.batch)
+            if mine:
+                out.append(Verdict(f"batch {m.batch}, {m.dtype}, vLLM on its default cores (shown, not judged)",
+                                   f"{mine.tok_per_s:.1f} tok/s ({mine.engine}, cores {mine.cores})",
+                                   f"vLLM `generate` {m.tok_per_s:.1f}, {m.cores}", mine.tok_per_s / m.tok_per_s,
+                                   0.0, "x", "", (mine, m)))
+    return out
+
+
+def scaling(runs: list[tuple]) -> list[tuple[str, Verdict]]:
+    """Native on all its cores against native on one, per CPU (the one-core step beside a run of the
+    same batch on more cores), with vLLM's own scaling in the peer column: (CPU label, verdict)."""
+    out = []
+    for label in sorted({r[0] for r in runs}):
+        mine = [(c, results) for lab, _, c, _, _, results in runs if lab == label]
+        one = [(c, r) for c, r in mine if _cores(c) == 1]
+        many = [(c, r) for c, r in mine if _cores(c) > 1]
+        for c1, r1 in one:
+            for b in sorted({m.batch for m in r1 if m.section == "grid"}):
+                n1 = _cell(r1, "native:default", b)
+                wide = [(c, _cell(r, "native:default", b), _cell(r, "vllm-generate:fp32", b)) for c, r in many]
+                wide = [w for w in wide if w[1] and w[1].dtype == (n1.dtype if n1 else None)]
+                if not n1 or not wide:
+                    continue
+                cn, nn, vn = wide[-1]  # the latest run on more cores
+                v1 = _cell(r1, "vllm-generate:fp32", b)
+                peer = (f"vLLM `generate` {vn.tok_per_s:.1f} on {_cores(cn)} cores / {v1.tok_per_s:.1f} on 1: "
+                        f"{vn.tok_per_s / v1.tok_per_s:.2f}x" if vn and v1 else "vLLM not measured on both")
+                r = nn.tok_per_s / n1.tok_per_s
+                out.append((label, Verdict(f"batch {b}, {nn.dtype}, native on {_cores(cn)} cores / on 1",
+                                           f"{nn.tok_per_s:.1f} tok/s / {n1.tok_per_s:.1f} ({nn.engine})", peer,
+                                           r, 1.8, "x", "", (nn,))))
+    return out
+
+
 def table(paths: list[Path]) -> str:
     """The targets judged on these runs: one Markdown table, a row a target and run, CPU by CPU and in
-    time order; then each CPU's flags and threads, and the files it was made from."""
+    time order, each with the repeats behind it and the range of its ratio over them; rows shown but
+    not judged (vLLM on its own default binding) and each CPU's scaling from one core; then each
+    CPU's flags and threads, and the files it was made from."""
     runs = []
     for path in paths:
         results, c = read_results(path)
-        runs.append((cpu_label(c), c.get("date", "?"), c, path, verdicts(results, c)))
+        runs.append((cpu_label(c), c.get("date", "?"), c, path, verdicts(results, c) + shown(results, c), results))
     runs.sort(key=lambda r: (r[0], r[1]))
-    lines = ["| CPU | workload | run | batchgen | peer | batchgen / peer (target) |", "|---|---|---|---|---|---|"]
+    lines = ["| CPU | workload | run | batchgen | peer | batchgen / peer (target) | over the repeats |",
+             "|---|---|---|---|---|---|---|"]
     machines: dict[str, str] = {}
-    for label, date, c, path, vs in runs:
-        reps = c.get("repeats", 1)
-        when = f"{date[:16]}, " + ("one run" if reps == 1 else f"median of {reps}")
+
+    def row(label: str, when: str, v: Verdict, c: dict) -> str:
+        reps = v.repeats or c.get("repeats", 1)
+        low_high = v.repeat_range
+        return (f"| {label} | {v.workload} | {when}, " + ("one run" if reps == 1 else f"median of {reps}")
+                + f" | {v.native} | {v.peer} | {_score(v)} | "
+                + (f"{low_high[0]:.2f}-{low_high[1]:.2f}x" if low_high else "") + " |")
+
+    for label, date, c, path, vs, _ in runs:
         machines.setdefault(label, f"{c.get('cpu_features', '?')}; {c.get('cores', '?')} cores, torch threads "
                                    f"{c.get('torch_threads', '?')}")
-        lines += [f"| {label} | {v.workload} | {when} | {v.native} | {v.peer} | {_score(v)} |" for v in vs]
+        lines += [row(label, date[:16], v, c) for v in vs]
+    lines += [row(label, "one-core run against the latest wider one", v, {}) for label, v in scaling(runs)]
     if len(lines) == 2:
-        lines.append("| | no target is judged on these runs | | | | |")
+        lines.append("| | no target is judged on these runs | | | | | |")
     lines += ["", *(f"- {label}: {flags}" for label, flags in machines.items()),
               f"- made by `python -m batchgen.benchmarks.judge table` from {', '.join(map(str, paths))}"]
     return "\n".join(lines)
@@ -158,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--out", help="the folder for the runs' Parquet and logs (default runs/targets-<time>)")
     run.add_argument("--only", default=",".join(STEPS), help=f"the steps to run, comma-separated: {', '.join(STEPS)}")
     run.add_argument("--repeats", type=int, default=3)
-    run.add_argument("--model", default="smollm2-135m")
+    run.add_argument("--model", default=DEFAULT_MODEL)
+    run.add_argument("--batches", default="64,256", help="the widths of the fp32 and bf16 steps (comma-separated)")
     tab = sub.add_parser("table", help="the targets judged on bench runs' Parquet files, as a Markdown table")
     tab.add_argument("files", nargs="+", type=Path)
     args = p.parse_args(argv)
@@ -174,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out or f"runs/targets-{time.strftime('%Y%m%d-%H%M%S')}")
     only = tuple(s.strip() for s in args.only.split(",") if s.strip())
     try:
-        steps, skipped = series(out_dir, has_bf16_math(cached_probe("cpu")), args.model, args.repeats, only)
+        steps, skipped = series(out_dir, has_bf16_math(cached_probe("cpu")), args.model, args.repeats, only,
+                                args.batches)
     except ValueError as e:
         p.error(str(e))
     for line in skipped:

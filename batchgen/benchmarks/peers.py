@@ -14,10 +14,67 @@ of the run with a line that says so.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
 import time
 from pathlib import Path
 
 N_BATCH = 2048  # tokens per llama_decode call (prompts are fed in chunks of this many)
+VLLM_CPU_BLOCK_SIZE = 128  # positions per KV block of vLLM's CPU attention: its KV is sized in these
+# vLLM's own variable for where its CPU worker's OpenMP threads run: a list given reserves no core for its
+# scheduler; unset, vLLM reserves one core per worker and binds the model to the rest
+VLLM_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_list(cpus) -> str:
+    """CPU ids as Linux writes them ("0-3,6"): the form taskset and VLLM_CPU_OMP_THREADS_BIND take."""
+    ids, runs = sorted(set(cpus)), []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def cpu_ids(cores: str) -> list[int]:
+    """cpu_list's form back to ids: "0-1,4" -> [0, 1, 4]."""
+    out = []
+    for part in cores.split(","):
+        a, _, b = part.partition("-")
+        out += range(int(a), int(b or a) + 1)
+    return out
+
+
+def this_process_cores() -> str:
+    """The CPUs this process may run on (taskset / cgroup affinity), as cpu_list writes them."""
+    return cpu_list(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1))
+
+
+def vllm_kv_bytes(prompt_lens: list[int], new_tokens: int, bytes_per_token: int) -> int:
+    """KV for every row in flight at once, in vLLM's own CPU blocks (each row's prompt and output
+    rounded up to whole 128-position blocks, plus one): vLLM never needs to preempt in a timed call."""
+    blocks = sum(math.ceil((n + new_tokens) / VLLM_CPU_BLOCK_SIZE) + 1 for n in prompt_lens)
+    return blocks * VLLM_CPU_BLOCK_SIZE * bytes_per_token
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str | None):
+    """`name` set to `value` (unset where None) for the block: vLLM's engine core process is spawned
+    inside it and reads its environment then."""
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 def llama_cpp_available() -> str | None:
     """None where llama-cpp-python imports; else why not."""
@@ -139,16 +196,33 @@ class VllmOwnRunner:
     """vLLM's own offline API as its users call it: `LLM(model, dtype)` with vLLM's defaults (its
     compiled CPU path included), `generate` on `batch` prompts at a time, after one warm-up call,
     each call on prompts its prefix cache has not seen (_forget). It gives no per-token times, so only
-    tokens, seconds and the prompt tokens its prefix cache served come back."""
+    tokens, seconds, the prompt tokens its prefix cache served and its preemptions come back.
 
-    def __init__(self, model_dir: str | Path, dtype: str, max_batch: int, max_len: int, kv_bytes: int):
+    `cores`: the CPUs its model computes on (VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1": the same cores as
+    the engine it races); None keeps vLLM's default, which on x86 reserves one core per worker for its
+    scheduler and leaves the model the rest (half of a 2-core machine)."""
+
+    def __init__(self, model_dir: str | Path, dtype: str, max_batch: int, max_len: int, kv_bytes: int,
+                 cores: str | None = None):
         from vllm import LLM
 
         # the KV space is the run's choice on CPU (vLLM's default would take a share of the machine's
-        # memory); everything else is vLLM's default
-        self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_len, max_num_seqs=max(max_batch, 1),
-                       kv_cache_memory_bytes=kv_bytes, seed=0)
+        # memory), sized in vLLM's own blocks (vllm_kv_bytes); its stats on, to read its preemptions;
+        # everything else is vLLM's default
+        with _environ(VLLM_BIND, cores):
+            self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_len, max_num_seqs=max(max_batch, 1),
+                           kv_cache_memory_bytes=kv_bytes, seed=0, disable_log_stats=False)
+        self.cores = cores
         self.warmed: set[int] = set()
+
+    def preemptions(self) -> int | None:
+        """Requests vLLM has preempted since it started (its Prometheus counter); None where it keeps none."""
+        try:
+            metrics = self.llm.get_metrics()
+        except Exception:  # noqa: BLE001 - an older vLLM, or stats off: unknown, not zero
+            return None
+        got = [m.value for m in metrics if m.name == "vllm:num_preemptions" and hasattr(m, "value")]
+        return int(sum(got)) if got else None
 
     def run(self, prompt_ids: list[list[int]], batch: int, new_tokens: int, temperature: float = 0.0,
             top_p: float = 1.0) -> dict:
@@ -161,6 +235,7 @@ class VllmOwnRunner:
             self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids[:batch]], params, use_tqdm=False)
             self.warmed.add(batch)
         tokens, seconds, cached, outputs = 0, 0.0, 0, []
+        preempted = self.preemptions()
         for s in range(0, len(prompt_ids), batch):
             prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids[s:s + batch]]
             self._forget()
@@ -172,7 +247,9 @@ class VllmOwnRunner:
                 tokens += len(ids)
                 cached += o.num_cached_tokens or 0
                 outputs.append(ids)
-        return {"tokens": tokens, "seconds": seconds, "outputs": outputs, "cached_prompt_tokens": cached}
+        after = self.preemptions()
+        return {"tokens": tokens, "seconds": seconds, "outputs": outputs, "cached_prompt_tokens": cached,
+                "preemptions": None if preempted is None or after is None else after - preempted}
 
     def _forget(self) -> None:
         """Empty vLLM's prefix cache (on by default, and kept so): a dataset job sends each prompt once,
