@@ -28,6 +28,7 @@ import pyarrow as pa
 from batchgen.config import RunConfig
 from batchgen.data import order
 from batchgen.data.fs import join
+from batchgen.data.lock import LockError
 from batchgen.data.prompts import InputProcessor, PreparedRow, RowError
 from batchgen.data.reader import InputError, PromptDataset, Shard
 from batchgen.data.reuse import ReuseIndex, find_runs, numerics, request_key
@@ -445,9 +446,12 @@ def generate(cfg: RunConfig, on_shard: Callable[[dict], None] | None = None, pro
             progress.close()
             summary = finalize(opened)
         except BaseException as e:
+            lost = opened.run.lease_lost(e)
             if engine is not None:
                 worker.drop_engine(engine)
             abandon(opened, e)
+            if lost:
+                raise LockError(lost) from e
             raise
         finally:
             worker.close_reuse()

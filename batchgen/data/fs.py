@@ -54,6 +54,17 @@ class PreconditionFailed(Exception):
     """A conditional write lost: the object exists (create) or changed (replace)."""
 
 
+class OutcomeUnknown(Exception):
+    """A conditional write's response never came (a timeout, a reset): the store may or may not have
+    applied it. Only a read tells (batchgen.data.lock resolves it so)."""
+
+
+# the client's errors that leave a request's outcome unknown: the request may have reached the store
+_UNANSWERED = ("ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError", "EndpointConnectionError",
+               "ResponseStreamingError", "ConnectionResetError", "ConnectionError", "TimeoutError", "IncompleteRead",
+               "ProtocolError", "ServerDisconnectedError", "ClientOSError", "ClientPayloadError")
+
+
 class Store:
     def __init__(self, location: str | Path):
         self.location = str(location).rstrip("/") if is_uri(location) else str(Path(location))
@@ -225,5 +236,11 @@ class Store:
             text = f"{type(e).__name__} {e} {getattr(e, '__cause__', '')}"
             if any(s in text for s in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")):
                 raise PreconditionFailed(rel) from None
+            chain, cause = [], e
+            while cause is not None and len(chain) < 8:
+                chain.append(type(cause).__name__)
+                cause = cause.__cause__ or cause.__context__
+            if any(name in _UNANSWERED for name in chain):
+                raise OutcomeUnknown(f"{type(e).__name__}: {e}") from e
             raise
         self.fs.invalidate_cache(self._key(rel))

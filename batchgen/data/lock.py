@@ -12,10 +12,17 @@ Who may take a lease that exists:
 
 Every read-judge-write of a lease file happens under `flock` on a guard file beside it, so a
 takeover is a compare-and-swap: of any number of concurrent takers exactly one wins. The guard is
-never deleted (deleting a flocked file would break the exclusion). On an object store the same
-read-judge-write is a conditional write (If-None-Match: * to create, If-Match: <ETag> to replace):
-a writer that lost the race gets 412, reads the new holder and judges again. The judging rules are
-the same code on both.
+never deleted (deleting a flocked file would break the exclusion). The guard is held for one read
+and one write, so a taker waits for it at most GUARD_DEADLINE_S: a holder frozen inside it (stopped
+by SIGSTOP, or stuck in I/O on a network filesystem) cannot block a taker without bound; the taker
+then refuses in one line naming who holds the guard (each holder writes its pid and host into the
+guard file), since when, and what to do.
+
+On an object store the same read-judge-write is a conditional write (If-None-Match: * to create,
+If-Match: <ETag> to replace): a writer that lost the race gets 412, reads the new holder and judges
+again. A write whose outcome is unknown (its response lost to a timeout or a reset, then retried into
+a 412, or failed) is resolved the same way, by reading back: a lease that carries our token is our
+write. The judging rules are the same code on both.
 """
 
 from __future__ import annotations
@@ -32,7 +39,11 @@ import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
+from batchgen.faults import Faults
+
 DEFAULT_TTL_S = float(os.environ.get("BATCHGEN_LEASE_TTL_S", "60"))
+# the longest a taker waits for a lease's guard (held by a healthy holder for one read and one write)
+GUARD_DEADLINE_S = float(os.environ.get("BATCHGEN_LEASE_GUARD_S", "30"))
 
 
 class LockError(RuntimeError):
@@ -76,11 +87,60 @@ def _pid_alive(pid: int, start: str | None) -> bool:
 HOST, BOOT_ID = socket.gethostname(), _boot_id()
 
 
-@contextlib.contextmanager
-def _guard(path: Path) -> Iterator[None]:
-    fd = os.open(path.with_name(path.name + ".guard"), os.O_CREAT | os.O_RDWR, 0o644)
+def _process_state(pid: int) -> str | None:
+    """The state letter of a local process (T: stopped, D: waiting on I/O, ...), or None if unknown."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _guard_refusal(guard: Path, what: str, waited_s: float) -> str:
+    """One line for a taker that waited past the deadline: who holds the guard, since when, what to do."""
+    try:
+        holder = json.loads(guard.read_text() or "{}")
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        holder = {}
+    msg = f"{what}: gave up after {waited_s:.0f} s waiting for {guard}, which another process holds"
+    if not holder.get("pid"):
+        return msg + "; that process may be stopped or stuck in I/O: find it (fuser or lsof on that file), then " \
+                     "continue or end it and re-run"
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
+    msg = f"{msg}: pid {holder['pid']} on host {holder.get('host', '?')}, since {since}"
+    if holder.get("host") == HOST:
+        state = _process_state(int(holder["pid"]))
+        how = {"T": "is stopped (SIGSTOP): `kill -CONT {pid}` lets it finish, or end it",
+               "t": "is stopped by a debugger: detach it, or end it",
+               "D": "is stuck in I/O (a filesystem that does not answer): fix the mount, or end it"}.get(state or "")
+        if how:
+            return f"{msg}; that process {how.format(pid=holder['pid'])}, then re-run"
+    return (f"{msg}; that process is frozen or stuck inside the lease's guard (stopped, or in I/O on a network "
+            f"filesystem): continue or end it on its host, then re-run")
+
+
+@contextlib.contextmanager
+def _guard(path: Path, what: str, faults: Faults, deadline_s: float | None = None) -> Iterator[None]:
+    """flock on the guard beside `path`, waited for at most `deadline_s` (GUARD_DEADLINE_S); LockError
+    past it. The holder writes its pid, host and time into the guard file, for that error's line."""
+    guard = path.with_name(path.name + ".guard")
+    fd = os.open(guard, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        limit = GUARD_DEADLINE_S if deadline_s is None else deadline_s
+        t0, pause = time.monotonic(), 0.001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - t0
+                if waited >= limit:
+                    raise LockError(_guard_refusal(guard, what, waited)) from None
+                time.sleep(min(pause, limit - waited))
+                pause = min(pause * 2, 0.05)
+        me = json.dumps({"pid": os.getpid(), "host": HOST, "since": time.time()}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, me, 0)
+        faults.checkpoint("guard")
         yield
     finally:
         os.close(fd)  # closing releases the flock
@@ -113,7 +173,8 @@ class Lease:
     `Lease(path, what)` for a local file, or `Lease(store, name, what)` for a name inside a
     batchgen.data.fs.Store (a local directory or an object-store prefix)."""
 
-    def __init__(self, where, name_or_what: str, what: str | None = None, ttl_s: float = DEFAULT_TTL_S):
+    def __init__(self, where, name_or_what: str, what: str | None = None, ttl_s: float = DEFAULT_TTL_S,
+                 faults: Faults | None = None):
         if what is None:  # Lease(path, what)
             self.store, self.name, what = None, None, name_or_what
             self.path = Path(where)
@@ -125,6 +186,7 @@ class Lease:
         self.ttl_s = ttl_s
         self.token: str | None = None
         self.lost = False  # set when a heartbeat finds that someone else holds the lease now
+        self.faults = faults or Faults()  # the fault tests' stop and kill points (none by default)
 
     @property
     def held(self) -> bool:
@@ -134,17 +196,24 @@ class Lease:
         """judge(holder or None) -> (verdict, result), atomically against the lease file: verdict is
         a new document to write, _DELETE, or None (leave it). Returns result."""
         if self.path is not None:
-            with _guard(self.path):
+            with _guard(self.path, self.what, self.faults):
                 verdict, result = judge(_read(self.path))
                 if verdict is _DELETE:
                     self.path.unlink(missing_ok=True)
                 elif verdict is not None:
                     _write(self.path, verdict)
             return result
-        from batchgen.data.fs import PreconditionFailed
+        from batchgen.data.fs import OutcomeUnknown, PreconditionFailed
 
-        for _ in range(20):
+        unknown: OutcomeUnknown | None = None
+        pending = None  # (what our last write put there, or _DELETE; its result) while its outcome is in doubt
+        for attempt in range(20):
             got = self.store.read_versioned(self.name)
+            if pending is not None:  # a 412 or no answer: if the store now holds exactly our write, it landed
+                wrote, result = pending
+                if (got is None) if wrote is _DELETE else (got is not None and got[0] == wrote):
+                    return result
+                pending = None
             holder = None
             if got is not None:
                 try:
@@ -152,18 +221,24 @@ class Lease:
                 except (json.JSONDecodeError, UnicodeDecodeError):
                     holder = {}
             verdict, result = judge(holder)
+            data = verdict if verdict is None or verdict is _DELETE else json.dumps(verdict).encode()
             try:
                 if verdict is _DELETE:
                     self.store.delete(self.name)
                 elif verdict is not None:
-                    data = json.dumps(verdict).encode()
                     if got is None:
                         self.store.create_exclusive(self.name, data)
                     else:
                         self.store.replace_if(self.name, data, got[1])
                 return result
-            except PreconditionFailed:
-                continue  # someone wrote between our read and our write: judge the new holder
+            except PreconditionFailed:  # someone wrote between our read and our write, or we did (a retry of
+                pending = (data, result)  # a write whose response was lost): the next read tells which
+            except OutcomeUnknown as e:  # applied or not: the next read says
+                pending, unknown = (data, result), e
+                time.sleep(min(0.05 * 2 ** attempt, 2.0))
+        if unknown is not None:
+            raise LockError(f"{self.what}: {self.location} did not answer a conditional write 20 times ({unknown}); "
+                            f"try again") from unknown
         raise LockError(f"{self.what}: too many concurrent writers of {self.location}; try again")
 
     def _stale_reason(self, holder: dict[str, Any], now: float) -> str | None:
@@ -188,6 +263,8 @@ class Lease:
               "boot_id": BOOT_ID, "ttl_s": self.ttl_s}
         def judge(holder):
             now = time.time()
+            if holder is not None and holder.get("token") == me["token"]:
+                return None, None  # our own write, whose response was lost: it is ours
             if holder is not None and self._stale_reason(holder, now) is None:
                 return None, self._refusal(holder, now)
             return {**me, "since": now, "heartbeat": now}, None
@@ -239,8 +316,20 @@ class Lease:
     def check(self) -> None:
         """Raise unless we still hold the lease: the fence before a commit."""
         if not self.heartbeat():
-            raise LockError(f"{self.what}: our lock was taken over by another process; this attempt stops "
-                            f"without committing")
+            raise LockError(self._taken_over())
+
+    def _taken_over(self) -> str:
+        return f"{self.what}: our lock was taken over by another process; this attempt stops without committing"
+
+    def still_ours(self) -> bool:
+        """Whether the lease is still ours, asked after something failed: False once it was taken over
+        (a store that does not answer says nothing either way: True)."""
+        if self.lost:
+            return False
+        try:
+            return self.heartbeat()
+        except Exception:  # noqa: BLE001 - unknown is not lost
+            return True
 
     def release(self) -> None:
         """Remove the lease only if it is still ours: never someone else's."""
@@ -253,8 +342,14 @@ class Lease:
     def __enter__(self) -> "Lease":
         return self.acquire()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Release; and where the block failed after our lease was taken over (the new holder may have
+        cleared the files this attempt was writing), end with the one line that says so, the failure
+        chained beneath it."""
+        lost = exc is not None and not isinstance(exc, (LockError, KeyboardInterrupt)) and not self.still_ours()
         self.release()
+        if lost:
+            raise LockError(self._taken_over()) from exc
 
 
 def _age(path: Path) -> float:

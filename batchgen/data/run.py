@@ -66,7 +66,7 @@ class RunDir:
         self.store = Store(location)
         self.path = self.store.location  # a local path or a URI, as given
         self.name = basename(self.path)
-        self._lock = Lease(self.store, ".lock", f"run directory {self.path}")
+        self._lock = Lease(self.store, ".lock", f"run directory {self.path}", faults=self.faults)
         self.attempt_file: str | None = None
 
     @staticmethod
@@ -114,9 +114,17 @@ class RunDir:
     def unlock(self) -> None:
         self._lock.release()
 
+    def lease_lost(self, exc: BaseException) -> str | None:
+        """After `exc` ended an attempt: the one line that says the run's lease was taken over, where
+        it was (what failed then is a consequence: the new holder owns the directory); else None."""
+        if self._lock.token is None or isinstance(exc, (LockError, KeyboardInterrupt)) or self._lock.still_ours():
+            return None
+        return self._lock._taken_over()
+
     def shard_lock(self, index: int) -> Lease:
         self.store.makedirs("_locks")
-        return Lease(self.store, f"_locks/{self.shard_name(index)}.lock", f"shard {index} of run {self.name}")
+        return Lease(self.store, f"_locks/{self.shard_name(index)}.lock", f"shard {index} of run {self.name}",
+                     faults=self.faults)
 
     # ---- attempts -------------------------------------------------------------------------------
 
@@ -275,6 +283,8 @@ class RunDir:
 
     def mark_success(self, summary: dict[str, int]) -> None:
         """The run's counts (rows, generated ok, reused, errors) into run.json, then _SUCCESS."""
+        if self._lock.token is not None:  # the fence: an attempt whose lease was taken over never marks it done
+            self._lock.check()
         doc = self.read_json()
         doc["summary"] = summary
         self._write_json(doc)
