@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: setup model demo test test-fast bench-targets clean
+.PHONY: setup model demo ui test test-fast bench-targets clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,11 @@ model: setup
 # meet "database is locked" and print a traceback that looks like a failure (it is not one)
 demo: model
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m flows.pipeline --config configs/cpu-demo.yaml
+
+# the Prefect quickstart: a local server with its UI (http://127.0.0.1:4200), waited for, and the deployments
+# served from the repo root (form paths are relative to it); Ctrl-C stops both
+ui: model
+	$(PY) -m flows.ui
 
 # Tests run in TEST_WORKERS processes (pytest-xdist), each test file in one of them (its module
 # fixtures, e.g. one vLLM start, stay shared). Much of a test is one core's work (imports, process and

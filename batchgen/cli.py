@@ -7,13 +7,15 @@ import json
 import os
 import sys
 
-from batchgen.config import cap_cpu_libraries
+from batchgen.config import DEFAULT_MODEL, cap_cpu_libraries
 
 
 def _generate_parser(sub) -> None:
     from batchgen.settings_cli import add_settings_flags
 
     p = sub.add_parser("generate", help="generate outputs for a Parquet prompt dataset",
+                       usage="batchgen generate --input PATH [--output DIR] [--model MODEL] [--max-tokens N] "
+                             "[options]",
                        description="Generate one output row per input row (per sample); flags override --config.")
     p.add_argument("--config", help="YAML run config (configs/*.yaml); its keys are these flags' names with '_'")
     add_settings_flags(p)
@@ -38,13 +40,39 @@ def cmd_generate(args) -> int:
               f"{'prefix order' if opened.shard_by == 'prefix' else 'input order'} ({opened.shard_by_why})",
               file=sys.stderr)
 
-    summary = generate(settings.to_run_config(), on_start=started)
+    cfg = settings.to_run_config()
+    print(f"batchgen: plain prompts sent {_prompt_format_words(cfg.prompt_format)} (--prompt-format "
+          f"{cfg.prompt_format})", file=sys.stderr)
+    summary = generate(cfg, on_start=started)
     rate = summary.output_tokens / summary.wall_s if summary.wall_s else 0.0
     reused = f" ({summary.reused} reused, {summary.ok - summary.reused} generated)" if summary.reused else ""
+    plural = "" if summary.shards == 1 else "s"
     print(f"run {summary.run_dir}: {summary.rows} rows -> {summary.ok} outputs{reused}, {summary.errors} errors, "
-          f"{summary.shards} shards{' (resumed)' if summary.resumed else ''}; "
+          f"{summary.shards} shard{plural}{' (resumed)' if summary.resumed else ''}; "
           f"{summary.output_tokens} tokens generated in {summary.wall_s:.1f}s ({rate:.1f} tok/s incl. start-up)")
+    for line in summary.warnings():
+        print(f"batchgen: warning: {line}", file=sys.stderr)
+    print(where_outputs_are(summary.run_dir, summary.output_format))
     return 0
+
+
+def _prompt_format_words(fmt: str) -> str:
+    return {"chat": "as user messages through the model's chat template", "raw": "as is (no chat template)",
+            "auto": "as user messages through the model's chat template, unless already rendered"}[fmt]
+
+
+def where_outputs_are(run_dir: str, output_format: str = "parquet") -> str:
+    """The lines that end a run: where its outputs are, and the next commands."""
+    from batchgen.data.fs import join
+
+    lines = [f"  outputs: {join(run_dir, 'requests')}/ (Parquet: id, text, finish_reason, ...); failed rows: "
+             f"{join(run_dir, 'errors')}/"]
+    if output_format == "openai-batch":
+        lines.append(f"  OpenAI Batch files: {join(run_dir, 'batch_output.jsonl')}, {join(run_dir, 'batch_errors.jsonl')}")
+    lines += [f"  read them: duckdb -c \"select id, text from read_parquet('{join(run_dir, 'requests')}/**/*.parquet') "
+              f"limit 5\"",
+              f"  report:    batchgen report {run_dir}"]
+    return "\n".join(lines)
 
 
 def cmd_report(args) -> int:
@@ -106,8 +134,56 @@ def cmd_kernels(args) -> int:
     return 0  # a kernel that cannot be built is not an error: the torch / oneDNN path serves
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="batchgen", description="Offline batch LLM generation.")
+class Parser(argparse.ArgumentParser):
+    """argparse, with errors a person can act on: one line from the subcommand that was called (no
+    usage block), naming the flag or value and the nearest valid one; and no prefix matching (a flag
+    spelled short is an error, not silently another flag)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        import difflib
+        import re
+
+        hint = ""
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            options = [c.strip(" '") for c in choice[2].split(",")]
+            near = difflib.get_close_matches(choice[1], options, n=1, cutoff=0.3)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+        self.exit(2, f"{self.prog}: error: {message}{hint} (--help lists them)\n")
+
+    def unknown(self, extras: list[str]):
+        """Unrecognized arguments, each with the nearest flag this (sub)command has."""
+        import difflib
+
+        flags = [o for a in self._actions for o in a.option_strings]
+        groups: list[list[str]] = []  # an unknown flag with the values that followed it
+        for arg in extras:
+            if arg.startswith("-") or not groups:
+                groups.append([arg])
+            else:
+                groups[-1].append(arg)
+        parts = []
+        for flag, *values in groups:
+            near = difflib.get_close_matches(flag.split("=", 1)[0], flags, n=1, cutoff=0.6) if flag.startswith("-") else []
+            parts.append(" ".join([flag, *values]) + (f" (did you mean {near[0]}?)" if near else ""))
+        self.error(f"unrecognized argument{'s' if len(groups) > 1 else ''}: {', '.join(parts)}")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with an unrecognized flag reported by the subcommand it was given to."""
+    parser, commands = build_parser(with_commands=True)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        commands.get(getattr(args, "command", None), parser).unknown(extras)
+    return args
+
+
+def build_parser(with_commands: bool = False):
+    parser = Parser(prog="batchgen", description="Offline batch LLM generation.")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     rep = sub.add_parser("report", help="latency/throughput report over one or more runs (DuckDB)")
@@ -133,16 +209,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=1,
                        help="measure each cell N times, modes alternating in order, and keep the median (its "
                             "spread is printed): a shared machine's noise, seen")
-    bench.add_argument("--new-tokens", type=int, default=64)
+    bench.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt, EOS ignored (default 64)")
     bench.add_argument("--prompt-tokens", type=int, default=None,
                        help="every prompt this many tokens (held instructions joined and cut; e.g. 300 for the "
                             "prefill MFU target), instead of the few-shot chat prompts of real length (100 to "
                             "500 tokens: held tasks with their answers as examples, then a task)")
     bench.add_argument("--speculative", type=int, default=4, help="n-gram draft tokens for the speculation "
                                                                      "section (0: skip it)")
-    bench.add_argument("--spec-batch", type=int, default=8)
+    bench.add_argument("--spec-batch", type=int, default=8, help="rows in flight in the speculation section (default 8)")
     bench.add_argument("--out", help="results Parquet (default runs/bench-<time>.parquet)")
-    bench.add_argument("--model", default="smollm2-135m")
+    bench.add_argument("--model", default=DEFAULT_MODEL, help=f"the model (default {DEFAULT_MODEL})")
     lab = sub.add_parser("lab", help="small experiments").add_subparsers(dest="lab", required=True)
     dec = lab.add_parser("decode", help="KV cache against recomputing the history")
     dec.add_argument("--prompt-tokens", type=int, default=64)
@@ -157,11 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     kb = kern.add_parser("build", help="build them now (once per machine; otherwise the first run that needs one does)")
     kb.add_argument("names", nargs="*", metavar="NAME", help="only these kernels (default: all of them; an "
                     "unknown name is refused with the list)")
-    return parser
+    return (parser, dict(sub.choices)) if with_commands else parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     cap_cpu_libraries()  # before any matmul: oneDNN and MKL read their caps once
     handler = {"generate": cmd_generate, "report": cmd_report, "bench": cmd_bench,
                "lab": cmd_lab, "model": cmd_prepare, "kernels": cmd_kernels}[args.command]

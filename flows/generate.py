@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Any
 
@@ -13,7 +14,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 
 from batchgen.data.order import lane_split
-from batchgen.runner import Worker, abandon, finalize, open_run, run_shard_in_worker
+from batchgen.runner import Worker, abandon, check_error_rate, finalize, open_run, run_shard_in_worker
 from batchgen.settings import GenerateSettings
 
 
@@ -121,6 +122,7 @@ def generate_shards(settings: GenerateSettings, run_path: str, indices: list[int
         else:
             futures.append(fn.submit(*args))
     manifests = []
+    cfg, rows, errors, reasons = settings.to_run_config(), 0, 0, collections.Counter()
     for future in as_completed(futures):
         result = future.result()
         for m in result if isinstance(result, list) else [result]:
@@ -130,6 +132,9 @@ def generate_shards(settings: GenerateSettings, run_path: str, indices: list[int
             else:
                 logger.info("shard %s committed: %s rows, %s outputs, %s errors, %s tokens", m["shard"], m["rows"],
                             m["ok"], m["errors"], m["output_tokens"])
+                rows, errors = rows + m["rows"], errors + m["errors"]
+                reasons.update({reason: n for reason, n in m.get("error_reasons", [])})
+                check_error_rate(cfg, rows, errors, reasons)  # --max-error-rate: the flow fails with its line
         update_progress_artifact(progress, 100.0 * len(manifests) / max(len(indices), 1))
     return manifests
 

@@ -34,9 +34,10 @@ def main(argv: list[str] | None = None) -> None:
     from batchgen.report.queries import connect, run_query
     from batchgen.settings import load_yaml
 
-    ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--run-id")
+    ap = argparse.ArgumentParser(prog="python -m flows.pipeline", description=main.__doc__, allow_abbrev=False)
+    ap.add_argument("--config", required=True, help="a YAML run config, e.g. configs/cpu-demo.yaml (its keys are "
+                                                     "`batchgen generate`'s flags with '_')")
+    ap.add_argument("--run-id", help="resume this run, or name a new one (default: a new id)")
     ap.add_argument("--ray-address", help="shard tasks on this Ray cluster ('auto', 'ray://head:10001')")
     ap.add_argument("--gpus-per-shard", type=float, default=0.0, help="GPUs Ray gives each shard task")
     args = ap.parse_args(argv)

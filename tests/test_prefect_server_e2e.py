@@ -1,28 +1,28 @@
-"""End to end: a real `prefect server` on loopback, the deployments served by flows/serve.py, a run
-started through the API with parameters the way the UI does, then its outputs and artifacts checked."""
+"""End to end, as the README's quickstart has a person do it: `make ui` (python -m flows.ui) starts a
+real `prefect server` on loopback, waits for it and serves the deployments from the repository root;
+a run is started through the API with parameters the way the UI's form posts them, its outputs and
+artifacts are checked, and SIGTERM (Ctrl-C) stops the server and the serving process both."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, prefect_server_env, read_run_table, write_prompts
+from conftest import REPO, free_port, read_run_table, write_prompts
 
 pytestmark = pytest.mark.heavy  # starts vLLM, a Prefect server or a Ray cluster: not in `make test-fast`
 
 
-@pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory):
-    with prefect_server_env(tmp_path_factory.mktemp("prefect-server-home"), ui=False) as env:
-        yield env
-
-
-def test_ui_style_run_of_the_on_demand_deployment(tmp_path, tiny_model_dir, prefect_server):
-    env = prefect_server
+def test_ui_style_run_of_the_on_demand_deployment(tmp_path, tiny_model_dir):
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false"}
     serve_log = open(tmp_path / "serve.log", "w")
-    served = subprocess.Popen([sys.executable, "-m", "flows.serve"], env=env, cwd=REPO, stdout=serve_log,
-                              stderr=subprocess.STDOUT)
+    served = subprocess.Popen([sys.executable, "-m", "flows.ui", "--port", str(port)], env=env, cwd=REPO,
+                              stdout=serve_log, stderr=subprocess.STDOUT)
     inp = write_prompts(tmp_path / "in.parquet", [f"what is {i} + {i}?" for i in range(5)],
                         ids=[f"e{i}" for i in range(5)])
     # what the UI's form posts: JSON parameters, validated against the deployment's schema
@@ -61,9 +61,15 @@ print(json.dumps({{"state": run.state.type.value, "schedules": [s.schedule.cron 
         proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
                               timeout=540)
     finally:
-        served.terminate()
-        served.wait(30)
+        served.send_signal(signal.SIGTERM)  # what Ctrl-C does: both processes end
+        stopped = served.wait(60)
         serve_log.close()
+    log = (tmp_path / "serve.log").read_text()
+    assert stopped == 0 and f"Prefect UI at http://127.0.0.1:{port}" in log, log[-3000:]
+    with pytest.raises(OSError):  # the server is gone with it
+        import urllib.request
+
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2)
     assert proc.returncode == 0, proc.stderr[-3000:] + (tmp_path / "serve.log").read_text()[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["state"] == "COMPLETED", (tmp_path / "serve.log").read_text()[-3000:]

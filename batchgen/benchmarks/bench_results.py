@@ -321,8 +321,9 @@ def verdicts(results: list[Measurement], conditions: dict | None = None) -> list
                 out.append(replace(v, line=f"{v.line}; with prefill {m.tok_per_s / llama.tok_per_s:.2f}x"))
     for b in (64,):  # prefill in the chosen dtype against the matmul peak measured beside its repeats (the
         # one denominator of PROTOCOL: a run without it is not judged on MFU)
-        m = get("native:default", b, "greedy") or get("native:auto", b, "greedy")
-        if m and m.prefill_mfu is not None and m.peak_flops:
+        m = next((x for x in (get("native:default", b, "greedy"), get("native:auto", b, "greedy"))
+                  if x and x.prefill_mfu is not None and x.peak_flops), None)
+        if m and str(c.get("prompts", "")).startswith("chat prompts of"):  # the target's prompts of a set length
             prompts = c.get("prompts", "held")
             out.append(Verdict(
                 f"batch {b} prefill, {m.dtype}, {prompts}",

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from batchgen.benchmarks.bench_results import Verdict, read_results, verdicts
 from batchgen.benchmarks.peers import cpu_ids
-from batchgen.model.prepare import DEFAULT_MODEL
+from batchgen.config import DEFAULT_MODEL
 
 STEPS = ("fp32", "bf16", "batch1", "prefill", "wrapper", "vllm-default", "one-core")
 

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from batchgen.benchmarks.bench import held_prompt_ids, prompts_text, run_conditions, run_engine
     from batchgen.benchmarks.bench_results import Measurement, verdicts, write_parquet
-    from batchgen.benchmarks.peers import VllmOwnRunner
+    from batchgen.benchmarks.peers import VllmOwnRunner, vllm_kv_bytes
     from batchgen.config import EngineConfig, SamplingParams, kv_bytes_per_token
     from batchgen.engine.vllm import VllmEngine
     from batchgen.metrics.conditions import cpu_features, cpu_model
@@ -51,10 +51,12 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model(args.model)
     prompts = held_prompt_ids(Tokenizer(model_dir), args.batch)
     max_len = max(len(q) for q in prompts) + args.new_tokens + 8
-    kv_tokens = sum(len(q) + args.new_tokens + 32 for q in prompts)  # every row in flight at once
     shape = read_hf_shape(model_dir)
-    kv_bytes = kv_tokens * kv_bytes_per_token(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
-                                              4 if args.dtype == "float32" else 2)
+    per_token = kv_bytes_per_token(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
+                                   4 if args.dtype == "float32" else 2)
+    # every row in flight at once, in vLLM's own 128-position blocks; the same room for both
+    kv_bytes = vllm_kv_bytes([len(q) for q in prompts], args.new_tokens, per_token)
+    kv_tokens = kv_bytes // per_token
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
 
     variants, startup = {}, {}
@@ -116,7 +118,10 @@ def main(argv: list[str] | None = None) -> None:
         cells.append(Measurement(
             "grid", ENGINES[name] + (f":{tag}" if ENGINES[name] == "vllm-generate" else ""), args.dtype,
             args.batch, "greedy", "held", 0, len(prompts), tokens, seconds, repeats=len(rs),
-            spread=(max(rates[name]) - min(rates[name])) / (tokens / seconds)))
+            spread=(max(rates[name]) - min(rates[name])) / (tokens / seconds),
+            repeat_tok_per_s=[t / s for t, s in rs],
+            # like against like: both on vLLM's own binding (batchgen's vLLM engine keeps vLLM's defaults)
+            cores="vLLM's default (one core reserved for its scheduler)"))
     for v in verdicts(cells):
         print(f"target: {v.line.strip()}")
     if args.out:

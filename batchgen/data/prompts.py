@@ -135,7 +135,7 @@ class InputProcessor:
 
     def __init__(self, tokenizer, max_model_len: int, defaults: SamplingParams, too_long: str = "error",
                  run_seed: int = 0, chat_template_kwargs: dict[str, Any] | None = None, n: int = 1,
-                 lora_names: tuple[str, ...] = ()):
+                 lora_names: tuple[str, ...] = (), prompt_format: str = "raw"):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.defaults = defaults
@@ -144,6 +144,7 @@ class InputProcessor:
         self.chat_template_kwargs = chat_template_kwargs or {}
         self.n = n
         self.lora_names = lora_names
+        self.prompt_format = prompt_format  # chat | raw | auto (RunConfig.prompt_format)
 
     def process(self, row: dict[str, Any]) -> PreparedRow | RowError:
         rid = row["id"]
@@ -180,11 +181,17 @@ class InputProcessor:
             return PreparedRow(rid, ids[-limit:], sampling, truncated_from=len(ids), n=n)  # keep the end, like vLLM
         return PreparedRow(rid, ids, sampling, n=n)
 
+    def as_chat(self, prompt: str) -> bool:
+        """Whether a plain prompt goes through the chat template (see RunConfig.prompt_format)."""
+        if self.prompt_format == "auto":
+            return self.tokenizer.has_chat_template and not self.tokenizer.is_rendered(prompt)
+        return self.prompt_format == "chat"
+
     def _render(self, row: dict[str, Any]) -> str:
-        """The prompt text: a `prompt` used as is, or chat messages rendered with the model's template.
-        A `system` column adds a system turn (unless the row's messages start with one), which makes
-        a plain prompt a chat; `chat_template_kwargs` (run, then row) reach the template when one is
-        rendered."""
+        """The prompt text: chat messages rendered with the model's template, or a `prompt` sent as
+        prompt_format says (as a user message, or as is; never rendered twice). A `system` column adds
+        a system turn (unless the row's messages start with one), which makes a plain prompt a chat;
+        `chat_template_kwargs` (run, then row) reach the template when one is rendered."""
         kwargs = {**self.chat_template_kwargs, **_mapping(row.get("chat_template_kwargs"), "chat_template_kwargs")}
         system = row.get("system")
         if system is not None and not isinstance(system, str):
@@ -195,7 +202,9 @@ class InputProcessor:
             prompt = row.get("prompt")
             if prompt is None:
                 raise ValueError("prompt is null")
-            if system is None:
+            if isinstance(prompt, str) and not prompt.strip():
+                raise ValueError("prompt is empty")  # a template around nothing is not a prompt
+            if system is None and not self.as_chat(prompt):
                 return prompt
             messages = [{"role": "user", "content": prompt}]
         if system is not None and messages[0]["role"] != "system":

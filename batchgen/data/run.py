@@ -41,11 +41,24 @@ TABLES = ("requests", "errors", "tokens", "steps")
 IDENTITY_WORDS = {"input_fingerprint": "input (its files' content changed)", "model_fingerprint": "model",
                   "engine_config": "engine settings", "sampling": "sampling settings", "engine": "engine",
                   "engine_options": "engine options", "shard_size": "shard size", "too_long": "too_long policy",
-                  "shard_by": "shard order (--shard-by)"}
+                  "shard_by": "shard order (--shard-by)", "prompt_format": "prompt format (--prompt-format)"}
 
 
 # what a run started before an identity field existed had: its resume compares as that
-IDENTITY_DEFAULTS = {"shard_by": "order"}
+IDENTITY_DEFAULTS = {"shard_by": "order", "prompt_format": "raw"}
+
+
+def _identity_change(key: str, was, now) -> str:
+    """One changed part of a run's identity, named as the user sets it: "sampling settings (--max-tokens
+    4, now 8)"; fingerprints by name only."""
+    word = IDENTITY_WORDS.get(key, key.replace("_", " "))
+    if key.endswith("fingerprint"):
+        return word
+    if isinstance(was, dict) and isinstance(now, dict):
+        parts = [f"--{k.replace('_', '-')} {was.get(k)!r}, now {now.get(k)!r}" for k in sorted(set(was) | set(now))
+                 if was.get(k) != now.get(k)]
+        return f"{word} ({'; '.join(parts)})"
+    return f"{word} ({was!r}, now {now!r})"
 
 
 class RunError(RuntimeError):
@@ -91,7 +104,7 @@ class RunDir:
             changed = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
             if changed:
                 self.unlock()
-                words = ", ".join(IDENTITY_WORDS.get(k, k) for k in changed)
+                words = "; ".join(_identity_change(k, old.get(k), identity.get(k)) for k in changed)
                 raise RunError(f"run {self.name} was started with a different {words}; "
                                f"use a new --run-id (or the original settings and input) to continue")
             return True

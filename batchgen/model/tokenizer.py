@@ -28,10 +28,19 @@ class Tokenizer:
             template = tpl_path.read_text()
         self._template_src = template
         self._template = None
+        self._specials: tuple[str, ...] | None = None  # the added special tokens' texts, read on first use
 
     @property
     def has_chat_template(self) -> bool:
         return bool(self._template_src)
+
+    def is_rendered(self, text: str) -> bool:
+        """Whether `text` already holds a special token of this tokenizer (a chat turn's marker such as
+        <|im_start|>, a BOS): a prompt that was rendered with a template before it came here."""
+        if self._specials is None:
+            self._specials = tuple(t.content for t in self._tok.get_added_tokens_decoder().values()
+                                   if t.special and len(t.content) > 1)
+        return any(s in text for s in self._specials)
 
     def _special(self, key: str) -> str:
         v = self._cfg.get(key)
