@@ -37,12 +37,11 @@ def cmd_generate(args) -> int:
         print(f"batchgen: run {opened.run.path}{' (resuming)' if opened.resumed else ''}; "
               f"resume with --run-id {opened.run.name}", file=sys.stderr)
         print(f"batchgen: {opened.num_shards} shards of up to {opened.cfg.shard_size} rows, in "
-              f"{'prefix order' if opened.shard_by == 'prefix' else 'input order'} ({opened.shard_by_why})",
-              file=sys.stderr)
+              f"{'prefix order' if opened.shard_by == 'prefix' else 'input order'} ({opened.shard_by_why}); "
+              f"plain prompts sent {_prompt_format_words(opened.cfg.prompt_format)} (--prompt-format "
+              f"{opened.cfg.prompt_format})", file=sys.stderr)
 
     cfg = settings.to_run_config()
-    print(f"batchgen: plain prompts sent {_prompt_format_words(cfg.prompt_format)} (--prompt-format "
-          f"{cfg.prompt_format})", file=sys.stderr)
     summary = generate(cfg, on_start=started)
     rate = summary.output_tokens / summary.wall_s if summary.wall_s else 0.0
     reused = f" ({summary.reused} reused, {summary.ok - summary.reused} generated)" if summary.reused else ""

@@ -145,7 +145,7 @@ def test_string_temperature_column_is_a_row_error(tmp_path, tiny_model_dir):
 
 def test_too_long_truncate_policy_keeps_the_end(tmp_path, tiny_model_dir):
     inp = write_prompts(tmp_path / "in.parquet", ["word " * 200], ids=["long"])
-    assert generate(tmp_path, tiny_model_dir, inp, "--too-long", "truncate") == 0
+    assert generate(tmp_path, tiny_model_dir, inp, "--too-long", "truncate", "--prompt-format", "raw") == 0
     (row,) = read(tmp_path / "runs" / "r", "requests").to_pylist()
     from batchgen.model.tokenizer import Tokenizer
 

@@ -74,7 +74,9 @@ def test_features_through_the_cli_with_kept_columns(tmp_path, tiny_model_dir):
         "weight": pa.array([0.5, 1.5, 2.5, 3.5], pa.float32()),
     }), inp)
     out = tmp_path / "runs"
-    assert main(cli_args(inp, out, tiny_model_dir, "r", "--keep-columns", "source", "weight")) == 0
+    # raw: a plain prompt as is, so the system turn is what makes a row a chat
+    assert main(cli_args(inp, out, tiny_model_dir, "r", "--keep-columns", "source", "weight", "--prompt-format",
+                         "raw")) == 0
     req = {r["id"]: r for r in read_run_table(out / "r", "requests").to_pylist()}
     (err,) = read_run_table(out / "r", "errors").to_pylist()
     assert {k: (r["source"], r["weight"]) for k, r in req.items()} == {"a": ("wiki", 0.5), "b": ("news", 1.5),

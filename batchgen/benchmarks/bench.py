@@ -45,6 +45,7 @@ from batchgen.benchmarks.bench_results import Measurement, compare
 from batchgen.config import DTYPE_BYTES, ENGINES, EngineConfig, SamplingParams, kv_bytes_per_token
 
 MIN_PROMPTS = 4  # batch 1 runs four prompts one after another
+WARM_UP_PASSES = 4  # the most untimed passes a `--compile auto` variant runs to reach its steady state
 # the same seed tasks with their answers (CC BY-NC, the licence beside it), for the grid's few-shot prompts
 HELD_TASKS = Path(__file__).parent / "data" / "held_tasks.jsonl"
 PROMPT_TOKENS = (100, 500)  # the grid's chat prompts span this many tokens, as real dataset-generation prompts do
@@ -56,7 +57,7 @@ MODES = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p
 NATIVE_VARIANTS = ("default", "eager", "compiled", "onednn", "auto", "loose", "int4", "gguf")
 # the protocol, fixed before a run and recorded with it (conditions["protocol"]); never changed after one
 PROTOCOL = ("each cell: --repeats runs, the engines taking turns in an order that rotates each repeat, after an "
-            "untimed warm-up each; the repeat of median tok/s is the cell, every repeat's tok/s is kept "
+            "untimed warm-up each (a --compile auto engine's until it has compiled what it will); the repeat of median tok/s is the cell, every repeat's tok/s is kept "
             "(repeat_tok_per_s) and none is dropped; prefill included, EOS ignored; every engine computes on this "
             "process's cores (vLLM's model bound to them by VLLM_CPU_OMP_THREADS_BIND, llama.cpp with as many "
             "threads as torch); MBU against the read peak measured beside each repeat; prefill MFU = the cell's "
@@ -480,17 +481,26 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                             "peak_flops": peak_f,
                             "spread": (rates[-1] - rates[0]) / rates[len(ms) // 2] if len(ms) > 1 else None})
 
-    def engine_cell(engine, compiled: bool) -> tuple[Callable, Callable | None]:
+    def engine_cell(engine, compiled: bool, settles: bool = False) -> tuple[Callable, Callable | None]:
         def measure(b: int, mode: str, peak: float | None) -> dict:
             return run_engine(engine, grid_prompts(b), b,
                               SamplingParams(max_tokens=new_tokens, ignore_eos=True, **MODES[mode]), peak,
                               f"{mode}{b}")
 
         def warm_up(b: int) -> float:
-            before = engine.conditions().get("compile_s") or 0.0
-            run_engine(engine, grid_prompts(b), b, SamplingParams(max_tokens=new_tokens, ignore_eos=True), peak_bw,
-                       f"warm{b}")
-            return (engine.conditions().get("compile_s") or 0.0) - before
+            """Untimed passes until the engine is in its steady state: one pass; with `--compile auto`
+            (generate's default), passes until a compile has come and a pass then compiles nothing more
+            (at most WARM_UP_PASSES): a long job compiles once its eager steps cost a compile, and a
+            compile inside a timed repeat measures that job's first minutes, not its hours."""
+            start = compiled_s = engine.conditions().get("compile_s") or 0.0
+            for k in range(WARM_UP_PASSES if settles else 1):
+                run_engine(engine, grid_prompts(b), b, SamplingParams(max_tokens=new_tokens, ignore_eos=True),
+                           peak_bw, f"warm{b}-{k}")
+                now = engine.conditions().get("compile_s") or 0.0
+                if now == compiled_s and now > start:  # compiled in an earlier pass, nothing more since
+                    break
+                compiled_s = now
+            return compiled_s - start
 
         return measure, (warm_up if compiled else None)
 
@@ -517,8 +527,8 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                  for v in group_variants]
         # the outside peers take turns with the native variants inside each cell (see measure_cells)
         here = {"cores": outside.this_process_cores(), "threads": _threads()}
-        cells = [(name, e.conditions().get("dtype", "float32"), *engine_cell(e, compiled), here)
-                 for name, e, compiled in built]
+        cells = [(name, e.conditions().get("dtype", "float32"), *engine_cell(e, compiled, v.compile == "auto"), here)
+                 for (name, e, compiled), v in zip(built, group_variants)]
         measure_cells(cells + ([c for c, _ in peers] if engine_name == "native" else []))
         for _, e, _ in built:
             e.close()

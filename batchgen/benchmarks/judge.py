@@ -173,8 +173,9 @@ def shown(results, c: dict) -> list[Verdict]:
 
 
 def scaling(runs: list[tuple]) -> list[tuple[str, Verdict]]:
-    """Native on all its cores against native on one, per CPU (the one-core step beside a run of the
-    same batch on more cores), with vLLM's own scaling in the peer column: (CPU label, verdict)."""
+    """Native on all its cores against native on one, per CPU (the one-core step beside the latest run of
+    the same workload and batch on more cores), with vLLM's own scaling in the peer column: (CPU label,
+    verdict)."""
     out = []
     for label in sorted({r[0] for r in runs}):
         mine = [(c, results) for lab, _, c, _, _, results in runs if lab == label]
@@ -183,7 +184,9 @@ def scaling(runs: list[tuple]) -> list[tuple[str, Verdict]]:
         for c1, r1 in one:
             for b in sorted({m.batch for m in r1 if m.section == "grid"}):
                 n1 = _cell(r1, "native:default", b)
-                wide = [(c, _cell(r, "native:default", b), _cell(r, "vllm-generate:fp32", b)) for c, r in many]
+                same = [(c, r) for c, r in many  # the same workload: prompts and new tokens
+                        if (c.get("prompts"), c.get("new_tokens")) == (c1.get("prompts"), c1.get("new_tokens"))]
+                wide = [(c, _cell(r, "native:default", b), _cell(r, "vllm-generate:fp32", b)) for c, r in same]
                 wide = [w for w in wide if w[1] and w[1].dtype == (n1.dtype if n1 else None)]
                 if not n1 or not wide:
                     continue
