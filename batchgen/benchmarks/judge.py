@@ -188,6 +188,7 @@ def scaling(runs: list[tuple]) -> list[tuple[str, Verdict]]:
                         if (c.get("prompts"), c.get("new_tokens")) == (c1.get("prompts"), c1.get("new_tokens"))]
                 wide = [(c, _cell(r, "native:default", b), _cell(r, "vllm-generate:fp32", b)) for c, r in same]
                 wide = [w for w in wide if w[1] and w[1].dtype == (n1.dtype if n1 else None)]
+                wide.sort(key=lambda w: w[2] is not None)  # the latest with vLLM on the same cores, if any
                 if not n1 or not wide:
                     continue
                 cn, nn, vn = wide[-1]  # the latest run on more cores
