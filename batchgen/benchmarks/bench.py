@@ -45,7 +45,7 @@ from batchgen.benchmarks.bench_results import Measurement, compare
 from batchgen.config import DTYPE_BYTES, ENGINES, EngineConfig, SamplingParams, kv_bytes_per_token
 
 MIN_PROMPTS = 4  # batch 1 runs four prompts one after another
-WARM_UP_PASSES = 4  # the most untimed passes a `--compile auto` variant runs to reach its steady state
+WARM_UP_PASSES = 3  # the most untimed passes a `--compile auto` variant runs to reach its steady state
 # the same seed tasks with their answers (CC BY-NC, the licence beside it), for the grid's few-shot prompts
 HELD_TASKS = Path(__file__).parent / "data" / "held_tasks.jsonl"
 PROMPT_TOKENS = (100, 500)  # the grid's chat prompts span this many tokens, as real dataset-generation prompts do
@@ -333,7 +333,8 @@ class HFRunner:
             nbytes += n * self.weight_bytes + len(rows) * sum(width + j for j in range(n)) * self.kv_bytes_per_token
             outputs += out[:, width:].tolist()
         return {"tokens": tokens, "seconds": seconds, **_percentiles(gaps),
-                "mbu": nbytes / seconds / peak_bw if peak_bw and seconds else None, "outputs": outputs}
+                "mbu": nbytes / seconds / peak_bw if peak_bw and seconds else None,
+                "preemptions": 0, "outputs": outputs}  # a padded static batch: nothing to preempt
 
 
 # ---- the run ---------------------------------------------------------------------------------------------
@@ -497,8 +498,8 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                 run_engine(engine, grid_prompts(b), b, SamplingParams(max_tokens=new_tokens, ignore_eos=True),
                            peak_bw, f"warm{b}-{k}")
                 now = engine.conditions().get("compile_s") or 0.0
-                if now == compiled_s and now > start:  # compiled in an earlier pass, nothing more since
-                    break
+                if now == compiled_s and (now > start or k >= 1):  # compiled and settled; or two passes of
+                    break  # eager steps did not reach a compile's cost: this workload stays eager
                 compiled_s = now
             return compiled_s - start
 
