@@ -225,11 +225,12 @@ class Verdict:
 
 
 def _on(m: Measurement) -> str:
-    """Where a cell's engine computed, as a table cell says it: ", cores 0-1, 2 threads"; older runs
-    recorded none."""
+    """Where a cell's engine computed, and the CPU seconds its median repeat took, as a table cell says
+    it: ", cores 0-1, 2 threads, 67 CPU s"; older runs recorded none."""
     if m.cores is None:
         return ""
-    return f", cores {m.cores}" + (f", {m.threads} threads" if m.threads else "")
+    return (f", cores {m.cores}" + (f", {m.threads} threads" if m.threads else "")
+            + (f", {m.cpu_s:.0f} CPU s" if m.cpu_s else ""))
 
 
 def _mark(score: float, goal: float) -> str:

@@ -172,10 +172,17 @@ def shown(results, c: dict) -> list[Verdict]:
     return out
 
 
+def _when(c: dict) -> float:
+    try:
+        return time.mktime(time.strptime(c.get("date", "")[:19], "%Y-%m-%d %H:%M:%S"))
+    except ValueError:
+        return 0.0
+
+
 def scaling(runs: list[tuple]) -> list[tuple[str, Verdict]]:
-    """Native on all its cores against native on one, per CPU (the one-core step beside the latest run of
-    the same workload and batch on more cores), with vLLM's own scaling in the peer column: (CPU label,
-    verdict)."""
+    """Native on all its cores against native on one, per CPU (the one-core step beside the run of the same
+    workload and batch on more cores nearest it in time), with vLLM's own scaling in the peer column:
+    (CPU label, verdict)."""
     out = []
     for label in sorted({r[0] for r in runs}):
         mine = [(c, results) for lab, _, c, _, _, results in runs if lab == label]
@@ -188,10 +195,10 @@ def scaling(runs: list[tuple]) -> list[tuple[str, Verdict]]:
                         if (c.get("prompts"), c.get("new_tokens")) == (c1.get("prompts"), c1.get("new_tokens"))]
                 wide = [(c, _cell(r, "native:default", b), _cell(r, "vllm-generate:fp32", b)) for c, r in same]
                 wide = [w for w in wide if w[1] and w[1].dtype == (n1.dtype if n1 else None)]
-                wide.sort(key=lambda w: w[2] is not None)  # the latest with vLLM on the same cores, if any
                 if not n1 or not wide:
                     continue
-                cn, nn, vn = wide[-1]  # the latest run on more cores
+                # the run nearest in time (its series' own), among those with vLLM on the same cores if any
+                cn, nn, vn = min(wide, key=lambda w: (w[2] is None, abs(_when(w[0]) - _when(c1))))
                 v1 = _cell(r1, "vllm-generate:fp32", b)
                 peer = (f"vLLM `generate` {vn.tok_per_s:.1f} on {_cores(cn)} cores / {v1.tok_per_s:.1f} on 1: "
                         f"{vn.tok_per_s / v1.tok_per_s:.2f}x" if vn and v1 else "vLLM not measured on both")
@@ -227,7 +234,7 @@ def table(paths: list[Path]) -> str:
         machines.setdefault(label, f"{c.get('cpu_features', '?')}; {c.get('cores', '?')} cores, torch threads "
                                    f"{c.get('torch_threads', '?')}")
         lines += [row(label, date[:16], v, c) for v in vs]
-    lines += [row(label, "one-core run against the latest wider one", v, {}) for label, v in scaling(runs)]
+    lines += [row(label, "one-core run against the wider one nearest in time", v, {}) for label, v in scaling(runs)]
     if len(lines) == 2:
         lines.append("| | no target is judged on these runs | | | | | |")
     lines += ["", *(f"- {label}: {flags}" for label, flags in machines.items()),
