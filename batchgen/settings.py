@@ -74,7 +74,7 @@ class _Settings(BaseModel):
 
 GenerateSettings = create_model(
     "GenerateSettings", __base__=_Settings, __module__=__name__,
-    input=(list[str], Field(..., min_length=1, title="Prompt dataset: Parquet or JSONL file(s), a folder, a glob or a URI",
+    input=(list[str], Field(..., min_length=1, title="Input",
                             description="Parquet or JSONL (rows, or OpenAI Batch request lines): file(s), directory "
                                         "or glob, local or a URI such as s3://bucket/prompts/")),
     output=(str, Field("runs", title="Output root",

@@ -17,7 +17,9 @@ from batchgen.settings import GenerateSettings
 
 FLAG_NAMES = {"vllm": "--vllm-option", "enable_prefix_caching": "--no-prefix-caching",
               "progress": "--no-progress", "lora_adapters": "--lora-adapter"}
-APPEND = {"stop"}  # repeated flags (a stop string may start with '-'); other lists take several values
+APPEND = {"stop"}
+# where a field's title (the Prefect form's label) is too short to say what a flag takes
+TITLES = {"input": "Prompt dataset: Parquet or JSONL file(s), a folder, a glob or a URI"}  # repeated flags (a stop string may start with '-'); other lists take several values
 
 
 def _base(annotation) -> tuple[Any, bool]:
@@ -74,7 +76,8 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
         origin = typing.get_origin(kind)
         flag = FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
         default = _default_text(field)
-        help_ = (field.title or name.replace("_", " ")) + (f" ({default})" if default and kind is not bool else "")
+        title = TITLES.get(name, field.title or name.replace("_", " "))
+        help_ = title + (f" ({default})" if default and kind is not bool else "")
         help_ = help_.replace("%", "%%")  # argparse formats help with %
         common = dict(dest=name, default=None, help=help_)
         add = target.add_argument
