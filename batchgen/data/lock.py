@@ -21,8 +21,8 @@ guard file), since when, and what to do.
 On an object store the same read-judge-write is a conditional write (If-None-Match: * to create,
 If-Match: <ETag> to replace): a writer that lost the race gets 412, reads the new holder and judges
 again. A write whose outcome is unknown (its response lost to a timeout or a reset, then retried into
-a 412, or failed) is resolved the same way, by reading back: a lease that carries our token is our
-write. The judging rules are the same code on both.
+a 412, or failed) is resolved the same way, by reading back: when the store holds exactly what we
+wrote (or, for a release, nothing), the write was ours. The judging rules are the same code on both.
 """
 
 from __future__ import annotations
