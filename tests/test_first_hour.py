@@ -54,7 +54,7 @@ def test_outputs_that_look_broken_are_named_at_the_end():
     lines = summary(generated=10, empty=6, most_common=6).warnings()
     assert len(lines) == 1 and "6 of 10 outputs are empty" in lines[0] and "--prompt-format chat" in lines[0]
     lines = summary(generated=10, empty=0, most_common=7).warnings()
-    assert len(lines) == 1 and "7 of 10 outputs share one text" in lines[0]
+    assert len(lines) == 1 and "7 of 10 outputs, each for a different prompt, share one text" in lines[0]
     assert summary(generated=10, empty=1, most_common=2).warnings() == []
     ends = where_outputs_are("runs/r", "openai-batch")
     assert "runs/r/batch_output.jsonl" in ends and "batchgen report runs/r" in ends and "read_parquet(" in ends
