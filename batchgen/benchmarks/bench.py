@@ -381,9 +381,8 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
         for k, v in extra.items():
             setattr(m, k, v)
         results.append(m)
-        if m.cached_prompt_tokens and m.engine != "native:default":  # a run's prompts are new to every engine:
-            # a hit means one was served, not computed (native:default shares the chat template's head
-            # within a batch, as vLLM's own cache does inside a call)
+        if m.cached_prompt_tokens:  # a run's prompts are new to every engine: a hit means one was served, not
+            # computed (with the cache emptied before each call, only what the call's own rows share: a template's head)
             log(f"  WARNING: {m.engine} batch {m.batch}: {m.cached_prompt_tokens} prompt tokens came from its "
                 "prefix cache")
         if m.preemptions:  # a peer or engine that had to preempt inside a timed call: flagged
@@ -484,6 +483,8 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
 
     def engine_cell(engine, compiled: bool, settles: bool = False) -> tuple[Callable, Callable | None]:
         def measure(b: int, mode: str, peak: float | None) -> dict:
+            if hasattr(engine, "reset_prefix_cache"):  # every repeat computes its prompts, as vLLM's does (_forget)
+                engine.reset_prefix_cache()
             return run_engine(engine, grid_prompts(b), b,
                               SamplingParams(max_tokens=new_tokens, ignore_eos=True, **MODES[mode]), peak,
                               f"{mode}{b}")

@@ -112,6 +112,13 @@ class NativeEngine(Engine):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt block between runs of the same prompts (a benchmark's repeats), so
+        that each run computes its prompts as a dataset job's first and only run does."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("the prefix cache is not emptied with requests in flight")
+        self.blocks.reset_prefix_cache()
+
     def abort_all(self) -> list[str]:
         self._ids.clear()
         self.constraints.matchers.clear()
