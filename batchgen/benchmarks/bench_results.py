@@ -199,6 +199,12 @@ class Verdict:
     cells: tuple = field(default=(), compare=False, repr=False)  # the measurements behind it: judged, then peer
 
     @property
+    def equal_work(self) -> bool:
+        """False where a cell behind it was served its prompts from a prefix cache (beyond its rows'
+        template heads): its ratio compares unequal work, and is not judged."""
+        return all((m.cached_prompt_tokens or 0) <= 32 * m.prompts for m in self.cells)
+
+    @property
     def repeats(self) -> int | None:
         """The repeats behind the verdict: the fewest of its cells' (a peer that died has fewer)."""
         return min((m.repeats for m in self.cells), default=None)
@@ -227,10 +233,12 @@ class Verdict:
 def _on(m: Measurement) -> str:
     """Where a cell's engine computed, and the CPU seconds its median repeat took, as a table cell says
     it: ", cores 0-1, 2 threads, 67 CPU s"; older runs recorded none."""
+    served = (f", {m.cached_prompt_tokens:,} prompt tokens served from its prefix cache"
+              if (m.cached_prompt_tokens or 0) > 32 * m.prompts else "")  # more than the rows' template heads
     if m.cores is None:
-        return ""
+        return served
     return (f", cores {m.cores}" + (f", {m.threads} threads" if m.threads else "")
-            + (f", {m.cpu_s:.0f} CPU s" if m.cpu_s else ""))
+            + (f", {m.cpu_s:.0f} CPU s" if m.cpu_s else "") + served)
 
 
 def _mark(score: float, goal: float) -> str:
@@ -371,7 +379,8 @@ def verdicts(results: list[Measurement], conditions: dict | None = None) -> list
 def targets(results: list[Measurement], conditions: dict | None = None) -> list[str]:
     """The issue's targets as the bench prints them (verdicts' lines), then what `--fp32-kernel auto`
     chose beside the two fp32 kernels measured (a comparison, not a target)."""
-    out = ["targets (this run):", *(v.line for v in verdicts(results, conditions))]
+    out = ["targets (this run):", *(v.line if v.equal_work else f"{v.line}; NOT JUDGED: its prompts were served from a "
+                                    f"prefix cache, not computed" for v in verdicts(results, conditions))]
     for b in sorted({m.batch for m in results if m.section == "grid"}):  # the fp32 kernels, side by side
         g, o = _cell(results, "native:compiled", b, "greedy"), _cell(results, "native:onednn", b, "greedy")
         if g and o and g.step_itl_p50_s and o.step_itl_p50_s:

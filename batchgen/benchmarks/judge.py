@@ -138,6 +138,8 @@ def cpu_label(conditions: dict) -> str:
 
 
 def _score(v: Verdict) -> str:
+    if not v.equal_work:
+        return f"{v.score:.2f}{v.kind if v.kind == 'x' else ''} (not judged: not equal work)"
     if v.kind == "x" and not v.goal:  # shown, not judged
         return f"{v.score:.2f}x (not judged)"
     if v.kind == "x":
