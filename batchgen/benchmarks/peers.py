@@ -109,8 +109,8 @@ class LlamaCppRunner:
 
         if "amx_tile" in cpu_features():
             # llama.cpp repacks Q4_1 weights for AMX where the CPU has it, and that path segfaults in
-            # ggml_backend_amx_mul_mat at the first decode (llama-cpp-python 0.3.36, 2-core Xeon with AMX,
-            # 2026-12-03): its plain CPU kernels run instead, as a user who hits the crash would run it
+            # ggml_backend_amx_mul_mat at the first decode (llama-cpp-python 0.3.36): its plain CPU
+            # kernels run instead, as a user who hits the crash would run it
             mparams.use_extra_bufts = False
             self.note = "AMX weight repacking off (llama.cpp's AMX path segfaults on this CPU)"
         self.model = lc.llama_model_load_from_file(str(gguf).encode(), mparams)

@@ -21,8 +21,8 @@ the KV write and the attention's gathers, masks and split softmax into a few C++
 matmuls (batchgen's gemv kernel or oneDNN's prepacked one, called as opaque kernels,
 batchgen.model.linear). The number of pairs is a dynamic size of that compile (only the attention
 kernel, an opaque op, reads the pairs), so the pairs buckets of one rows bucket share its code: a
-batch-1 job of 600 tokens, whose pairs pass through buckets 1 to 16, compiled once (29 s) instead of
-5 times (81 s), at the same speed and with the same tokens (2026-12-05, 2-core Zen 4; docs/speed.md).
+batch-1 job of 600 tokens, whose pairs pass through buckets 1 to 16, compiles once instead of 5 times,
+at the same speed and with the same tokens.
 The number of rows is a dynamic size too, past 1 (Dynamo specialises a size of 1): one compile serves
 every rows bucket from 2 to max_num_seqs, where a batch-256 job's first run compiled the 32 buckets a
 shrinking batch passes through (407 s on a 2-core Zen 4).
@@ -58,13 +58,11 @@ UNMEASURED_COMPILE_S = 30.0  # the compile cost assumed before one has been meas
 # Python calls a layer, about 1 ms of a 21 ms batch-1 step (SmolLM2-135M, 2-core Zen 4). A bucket's
 # inputs are its own static buffers, the weights and the KV pool: the same tensors every call, whose
 # shapes and strides Dynamo's guards already check before the compiled code runs. cpp_wrapper: the
-# wrapper that calls the step's kernels is C++ too, not Python (2026-12-03, 2-core Xeon with AMX, median of 3,
-# interleaved: batch 1 on the GGUF blocks 147 -> 157 decode tok/s; batch 64 bf16 1456 -> 1540).
+# wrapper that calls the step's kernels is C++ too, not Python (faster at batch 1 and 64, measured).
 # cpp_wrapper_build_separate: that wrapper (some 5,500 lines of kernel calls for SmolLM2's 30 layers) is
-# compiled at -O1 apart from the kernels (-O3), instead of all at -O3 in one file: a bucket's compile on
-# a cold cache 93 -> 38 s at batch 1 (GGUF blocks) and 93 -> 45 s at batch 64 (bf16), with the same
-# tokens and the same speed (decode 177 -> 183 and 975 -> 969 tok/s; 2026-12-04, 2-core Zen 4,
-# `python -m batchgen.benchmarks.step_ab --variants cpu/1s,cpu/1`, median of 5 and 3).
+# compiled at -O1 apart from the kernels (-O3), instead of all at -O3 in one file: a bucket compiles in
+# about half the time, with the same tokens and speed (`python -m batchgen.benchmarks.step_ab --variants
+# cpu/1s,cpu/1` measures it).
 
 
 def bucket_guards(entries) -> list[bool]:

@@ -121,7 +121,7 @@ inline vec lane_sums(vec* a) {
 // same bits): batch-64 decode 63.9 -> 53.6 ms a step, batch 256 234.2 -> 190.1. The next group's lines
 // asked for in one burst before each head's pack were slower (0.96-0.99x), and so were those two groups on.
 // Spread as here, two groups on were slower too (batch 256 0.93x), into L2 (T1) level, and a task's
-// first group asked for by the task before it level (docs/speed.md, 2026-12-06).
+// first group asked for by the task before it level (measured; the figures are in git's docs/speed.md).
 struct Ahead {
   static constexpr int KG = 32;  // positions a group (both paths)
   const char* run[2 * KG];  // at most KG blocks (block size 1), a K run and a V run each; or 2 a head
@@ -134,8 +134,8 @@ struct Ahead {
     len[n++] = bytes;
   }
   // Into L2 on AVX-512 CPUs: an L1 prefetch holds one of the core's few line-fill buffers until its line
-  // arrives, an L2 one does not, so more lines are in flight (decode attention alone on the 2-core Xeon,
-  // in-process A/B, the same bits: batch 64 31.5 -> 30.0 ms, batch 256 114.8 -> 108.3; 2026-12-06).
+  // arrives, an L2 one does not, so more lines are in flight (faster decode attention on the Xeon, the
+  // same bits, in an in-process A/B).
   // Into L1 on AVX2, as measured on the Zen 3 (not measured there again). __builtin_prefetch's
   // locality 3 is x86's T0, 2 its T1; other CPUs take their compiler's nearest.
 #if defined(__AVX512F__)
@@ -538,7 +538,7 @@ inline void row_max(float* s, __mmask32 mask, float scale, float cap, float& m, 
 // e^x for weights that are rounded to bf16 next (x = a score less its row's max, <= 0; -inf where
 // masked): 2^n (scalef) times 2^f, f = x log2(e) - n in [-0.5, 0.5], by its degree-5 Taylor polynomial
 // (relative error under 4e-6, against bf16's 2^-9 rounding); 0 at x <= -87, as vexp. Half of vexp's
-// operations: the weights' exponentials were the largest share of prefill attention (perf, 2026-12-07).
+// operations: the weights' exponentials were the largest share of prefill attention (perf).
 inline __m512 exp_weight(__m512 x) {
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

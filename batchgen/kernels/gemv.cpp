@@ -30,9 +30,8 @@
 #if defined(__AVX512F__)
 constexpr int VL = 16;  // floats per vector register
 // 32 registers: 24 accumulators, 4 weight vectors. 6 rows of 4 vectors, not 8 of 3: each row's
-// broadcast serves 4 FMAs, not 3 (SmolLM2-135M's four matrices on a 2-core Xeon with AVX-512, float32,
-// in-process A/B, the same bits: 3,757 rows 271 -> 326-332 GFLOP/s, 64 rows 206 -> 212-231; 12 x 2,
-// 7 x 4, 5 x 5, 4 x 6 and 3 x 8 measured 0.84-0.94x of 6 x 4 at 3,757 rows; 2026-12-06)
+// broadcast serves 4 FMAs, not 3 (faster on SmolLM2-135M's matrices with AVX-512, the same bits; 12 x 2,
+// 7 x 4, 5 x 5, 4 x 6 and 3 x 8 all measured slower than 6 x 4)
 constexpr int R = 6;    // rows per pass over a block: R * NV accumulators + NV weights <= 32 registers
 constexpr int NV = 4;   // vectors per column block: NV independent FMA chains per row
 #elif defined(__AVX__)
