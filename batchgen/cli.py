@@ -1,4 +1,4 @@
-"""`batchgen generate | report | bench | lab decode | model prepare`."""
+"""`batchgen generate | estimate | report | bench | lab decode | model prepare`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from batchgen.budget import BudgetReached
 from batchgen.config import DEFAULT_MODEL, cap_cpu_libraries
 
 
@@ -21,22 +22,61 @@ def _generate_parser(sub) -> None:
     add_settings_flags(p)
 
 
-def cmd_generate(args) -> int:
-    from batchgen.runner import generate
+def _estimate_parser(sub) -> None:
+    from batchgen.settings_cli import add_settings_flags
+
+    p = sub.add_parser("estimate", help="rows, tokens, time and cost of a generate command, before it runs",
+                       usage="batchgen estimate --input PATH [generate's flags] [--history RUN ...] [--json]",
+                       description="Take generate's flags; count rows and prompt tokens exactly, the rows "
+                                   "--reuse-from would copy, the output tokens to expect, and the time and cost "
+                                   "from a short probe at the run's settings (or from earlier runs).")
+    p.add_argument("--config", help="YAML run config (configs/*.yaml); its keys are these flags' names with '_'")
+    own = p.add_argument_group("estimate")
+    own.add_argument("--history", nargs="+", default=[], metavar="RUN",
+                     help="earlier run directories: their mean output tokens a row (and, with --no-probe, their "
+                          "rates)")
+    own.add_argument("--probe-tokens", type=int, default=32, help="tokens each probe row decodes (default 32)")
+    own.add_argument("--probe-rows", type=int, default=64,
+                     help="the probe's batch: the input's first rows, at most --max-num-seqs (default 64)")
+    own.add_argument("--no-probe", action="store_true", help="no probe: the --history runs' rates")
+    own.add_argument("--json", action="store_true", help="print the estimate as one JSON object")
+    add_settings_flags(p)
+
+
+def _settings(args):
+    """GenerateSettings from --config and the flags (flags win; KEY=VALUE flags add to the config's mapping)."""
     from batchgen.settings import GenerateSettings, load_yaml
     from batchgen.settings_cli import settings_values
 
     values = load_yaml(args.config) if args.config else {}
-    for key, value in settings_values(args).items():  # flags win; KEY=VALUE flags add to the config's mapping
+    for key, value in settings_values(args).items():
         values[key] = {**values.get(key, {}), **value} if isinstance(value, dict) else value
     if "input" not in values:
         raise ValueError("no input: give --input PATH (or 'input:' in --config)")
-    settings = GenerateSettings(**values)
+    return GenerateSettings(**values)
+
+
+def cmd_estimate(args) -> int:
+    from batchgen.estimate import estimate
+
+    if args.probe_tokens < 2 or args.probe_rows < 1:
+        raise ValueError("--probe-tokens must be at least 2 and --probe-rows at least 1")
+    est = estimate(_settings(args).to_run_config(), tuple(args.history), args.probe_tokens, not args.no_probe,
+                   args.probe_rows)
+    print(json.dumps(est.to_json(), indent=2, default=str) if args.json else est.format())
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from batchgen.runner import generate
+
+    settings = _settings(args)
 
     def started(opened) -> None:
         print(f"batchgen: run {opened.run.path}{' (resuming)' if opened.resumed else ''}; "
               f"resume with --run-id {opened.run.name}", file=sys.stderr)
-        print(f"batchgen: {opened.num_shards} shards of up to {opened.cfg.shard_size} rows, in "
+        shards = "1 shard" if opened.num_shards == 1 else f"{opened.num_shards} shards"
+        print(f"batchgen: {shards} of up to {opened.cfg.shard_size} rows, in "
               f"{'prefix order' if opened.shard_by == 'prefix' else 'input order'} ({opened.shard_by_why}); "
               f"plain prompts sent {_prompt_format_words(opened.cfg.prompt_format)} (--prompt-format "
               f"{opened.cfg.prompt_format})", file=sys.stderr)
@@ -49,6 +89,8 @@ def cmd_generate(args) -> int:
     print(f"run {summary.run_dir}: {summary.rows} rows -> {summary.ok} outputs{reused}, {summary.errors} errors, "
           f"{summary.shards} shard{plural}{' (resumed)' if summary.resumed else ''}; "
           f"{summary.output_tokens} tokens generated in {summary.wall_s:.1f}s ({rate:.1f} tok/s incl. start-up)")
+    for line in summary.notes():
+        print(f"  {line}")
     for line in summary.warnings():
         print(f"batchgen: warning: {line}", file=sys.stderr)
     print(where_outputs_are(summary.run_dir, summary.output_format))
@@ -185,6 +227,7 @@ def build_parser(with_commands: bool = False):
     parser = Parser(prog="batchgen", description="Offline batch LLM generation.")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _estimate_parser(sub)
     rep = sub.add_parser("report", help="latency/throughput report over one or more runs (DuckDB)")
     rep.add_argument("run_dirs", nargs="+", help="run directories (or globs, quoted)")
     rep.add_argument("--out", help="output directory (default RUN_DIR/report for one run)")
@@ -238,13 +281,16 @@ def build_parser(with_commands: bool = False):
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     cap_cpu_libraries()  # before any matmul: oneDNN and MKL read their caps once
-    handler = {"generate": cmd_generate, "report": cmd_report, "bench": cmd_bench,
+    handler = {"generate": cmd_generate, "estimate": cmd_estimate, "report": cmd_report, "bench": cmd_bench,
                "lab": cmd_lab, "model": cmd_prepare, "kernels": cmd_kernels}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt as e:  # SIGINT, or SIGTERM during a run (batchgen.runner.Interrupted)
         print(f"batchgen: {e or 'interrupted'}; the same command resumes the run", file=sys.stderr)
         return 130
+    except BudgetReached as e:  # a planned stop, not an error: its own exit status
+        print(f"batchgen: stopped: {e}", file=sys.stderr)
+        return 3
     except Exception as e:  # noqa: BLE001 - one clear line for the user, not a traceback
         if os.environ.get("BATCHGEN_DEBUG"):
             raise

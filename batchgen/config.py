@@ -265,6 +265,14 @@ class SamplingParams:
     logprobs: int | None = setting(None, ge=0, le=MAX_LOGPROBS, title="Logprobs",
                                    help="0: each output token's logprob in tokens/; k: also its top k alternatives; "
                                         "empty: none (a row's logprobs column wins)")
+    repetition_stop: str = setting("on", choices=("on", "off"), title="Stop a looping row",
+                                   help="end a row whose output repeats one pattern of up to 64 tokens over its "
+                                        "last 64+ tokens (finish_reason repetition; batchgen.engine.repetition); "
+                                        "never with ignore_eos")
+    max_reasoning_tokens: int | None = setting(
+        None, ge=1, title="Max reasoning tokens (a thinking model's budget)",
+        help="a row that has thought this long has its thought closed and its answer begun (a row's "
+             "max_reasoning_tokens column wins); native engine; empty: no budget")
     structured: str | None = None  # canonical response_format spec (batchgen.data.response_format), or None
     lora: str | None = None  # the name of a LoRA adapter of the run (vLLM engine)
 
@@ -275,6 +283,24 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def stops_loops(self) -> bool:
+        """Whether a looping row is stopped: repetition_stop on, and not ignore_eos (which asks for exactly
+        max_tokens, as a benchmark does)."""
+        return self.repetition_stop == "on" and not self.ignore_eos
+
+    def record(self) -> dict[str, Any]:
+        """The fields as a run's identity and a row's reuse key hold them: a setting added later is left
+        out at the value that gives the tokens made before it existed (repetition_stop off, no reasoning
+        budget), so those
+        runs' keys and identities stay what they were."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        if d["repetition_stop"] == "off":
+            del d["repetition_stop"]
+        if d["max_reasoning_tokens"] is None:
+            del d["max_reasoning_tokens"]
+        return d
 
 
 CPU_DEFAULT_KV_BYTES = 1 << 30  # on CPU, without a budget: 1 GiB of KV (vLLM's CPU backend takes a fixed space too)
@@ -448,6 +474,15 @@ class RunConfig:
              "command resumes once the cause is fixed; empty: never stop")
     error_rate_min_rows: int = setting(100, ge=1, title="Rows before the error rate is judged",
                                        help="the share is not judged on fewer rows than this")
+    max_hours: float | None = setting(None, gt=0, title="Stop after this many hours",
+                                      help="wall time from the start of this invocation; the shard in progress is "
+                                           "redone on resume, committed shards stay; empty: no cap")
+    max_cost: float | None = setting(None, gt=0, title="Stop at this cost",
+                                     help="in the currency of --price-per-hour, from the wall time of this "
+                                          "invocation; empty: no cap")
+    price_per_hour: float | None = setting(None, ge=0, title="Price of the machine per hour",
+                                           help="what an hour of this machine costs (for --max-cost, and the "
+                                                "cost `batchgen estimate` prints)")
 
     def __post_init__(self) -> None:
         _require(len(self.inputs) > 0, "at least one input path is required")
@@ -455,6 +490,8 @@ class RunConfig:
                  f"run_id {self.run_id!r} must be a plain directory name: no '/', not '.' or '..', "
                  f"not starting with '.' (the run must stay inside the output root)")
         check_fields(self)
+        _require(self.max_cost is None or self.price_per_hour is not None,
+                 "max_cost needs price_per_hour: what an hour of this machine costs (--price-per-hour)")
 
 
 def derive_seed(run_seed: int, request_id: str) -> int:

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
+from batchgen import budget
 from batchgen.config import RunConfig
 from batchgen.data import order
 from batchgen.data.fs import join
@@ -58,6 +59,7 @@ class RunSummary:
     empty: int = 0  # of those, outputs with no text
     most_common: int = 0  # of those, the most distinct prompts of one shard that got one same text
     output_format: str = "parquet"
+    looped: int = 0  # of those, rows stopped in a loop (finish_reason "repetition")
 
     def warnings(self) -> list[str]:
         """One line for outputs that look broken: many empty, or many alike (a prompt sent in the wrong
@@ -72,6 +74,13 @@ class RunSummary:
                        f"prompts' form "
                        f"(--prompt-format), the sampling (temperature 0 repeats an answer) and the stop strings")
         return out
+
+    def notes(self) -> list[str]:
+        """Lines on what the run did that a reader of its outputs should know."""
+        if not self.looped:
+            return []
+        return [f"{self.looped} of {self.generated} rows were stopped in a loop (finish_reason 'repetition', the text "
+                f"made until then kept); --repetition-stop off generates them to max_tokens"]
 
 
 @dataclass
@@ -105,7 +114,7 @@ def run_identity(cfg: RunConfig, model_dir: Path, input_fingerprint: str, shard_
         for name in BATCH_SHAPE_SETTINGS:
             engine_config.pop(name)
     identity = {"engine": cfg.engine, "model_fingerprint": model_fingerprint(model_dir),
-                "engine_config": engine_config, "sampling": asdict(cfg.sampling),
+                "engine_config": engine_config, "sampling": cfg.sampling.record(),
                 "engine_options": [list(p) for p in cfg.engine_options], "input_fingerprint": input_fingerprint,
                 "shard_size": cfg.shard_size, "shard_by": shard_by, "too_long": cfg.too_long,
                 "chat_template_kwargs": [list(p) for p in cfg.chat_template_kwargs], "n": cfg.n,
@@ -122,9 +131,11 @@ def open_run(cfg: RunConfig, faults: Faults | None = None) -> OpenRun:
         raise InputError(f"--keep-columns {', '.join(clash)}: an output column has that name; keep the others, "
                          f"or rename the input column")
     if cfg.engine == "vllm":
-        from batchgen.engine.vllm import check_vllm_options
+        from batchgen.engine.vllm import BUDGET_ON_VLLM, check_vllm_options
 
         check_vllm_options(dict(cfg.engine_options))
+        if cfg.sampling.max_reasoning_tokens is not None:
+            raise InputError(BUDGET_ON_VLLM)
     run = RunDir(join(cfg.output_dir, cfg.run_id or new_run_id()), faults)
     model_dir = resolve_model(cfg.model)
     started = run.read_json().get("identity", {}) if run.store.exists("run.json") else None
@@ -253,10 +264,12 @@ def run_conditions(cfg: RunConfig, engine: Engine, probe: bool = True) -> dict[s
 
 def run_shard(cfg: RunConfig, run: RunDir, dataset: PromptDataset, engine: Engine, index: int,
               progress: "_Progress | None" = None, shard: Shard | None = None,
-              reuse: ReuseIndex | None = None) -> dict[str, Any] | None:
+              reuse: ReuseIndex | None = None, deadline: float | None = None) -> dict[str, Any] | None:
     """Generate one shard and commit it; None if it was already committed (and its files check out).
     `shard` is given when the caller streams the dataset; otherwise the shard's rows are read alone.
-    `reuse`: earlier runs' rows, copied where their request key is the same (batchgen.data.reuse)."""
+    `reuse`: earlier runs' rows, copied where their request key is the same (batchgen.data.reuse).
+    `deadline`: the run's budget (batchgen.budget), past which the shard stops uncommitted."""
+    budget.check(deadline, cfg)
     with run.shard_lock(index) as lease:
         committed, problem = run.check_shard(index)
         if committed:
@@ -288,7 +301,7 @@ def run_shard(cfg: RunConfig, run: RunDir, dataset: PromptDataset, engine: Engin
         prepared = _reuse_rows(prepared, reuse, writer)
         if progress:
             progress.update(len(writer.errors["id"]) + writer.num_reused)
-        _generate_isolating_failures(engine, writer, prepared, progress, run.faults)
+        _generate_isolating_failures(engine, writer, prepared, progress, run.faults, deadline, cfg)
         tables = writer.tables()
         manifest = run.commit_shard(index, tables, shard.table.column("id").combine_chunks(),
                                     {"output_tokens": writer.num_output_tokens, "reused": writer.num_reused,
@@ -322,15 +335,17 @@ def check_error_rate(cfg: RunConfig, rows: int, errors: int, reasons: "collectio
 
 
 def output_health(requests: pa.Table, prompt_of: dict[str, int]) -> dict[str, int]:
-    """A shard's outputs with no text, and the most distinct prompts that got one same text (the run's
-    end warns; rows that repeat a prompt may repeat its answer). `prompt_of`: request id -> its prompt's
+    """A shard's outputs with no text, the most distinct prompts that got one same text (the run's end
+    warns; rows that repeat a prompt may repeat its answer), and the rows stopped in a loop. `prompt_of`: request id -> its prompt's
     hash, for the rows generated here."""
     texts: dict[str, set[int]] = {}
     for rid, text in zip(requests.column("id").to_pylist(), requests.column("text").to_pylist()):
         if rid in prompt_of:
             texts.setdefault(text, set()).add(prompt_of[rid])
+    looped = sum(1 for rid, reason in zip(requests.column("id").to_pylist(), requests.column("finish_reason").to_pylist())
+                 if rid in prompt_of and reason == "repetition")
     return {"empty_outputs": len(texts.get("", ())),
-            "most_common_output": max((len(p) for t, p in texts.items() if t), default=0)}
+            "most_common_output": max((len(p) for t, p in texts.items() if t), default=0), "looped_outputs": looped}
 
 
 def _reuse_rows(prepared: list[tuple[PreparedRow, str | None]], reuse: ReuseIndex | None,
@@ -349,7 +364,8 @@ def _reuse_rows(prepared: list[tuple[PreparedRow, str | None]], reuse: ReuseInde
 
 
 def _generate_isolating_failures(engine: Engine, writer: ShardWriter, rows: list[PreparedRow],
-                                 progress: "_Progress | None", faults: Faults) -> None:
+                                 progress: "_Progress | None", faults: Faults, deadline: float | None = None,
+                                 cfg: RunConfig | None = None) -> None:
     """Feed `rows` to the engine and step it until they are done. If a step fails (and the engine is
     not dead), the unfinished requests are aborted and redone in halves, so a request that breaks
     the engine ends alone, as an error row, while the rest of the shard completes. Redone requests
@@ -372,7 +388,8 @@ def _generate_isolating_failures(engine: Engine, writer: ShardWriter, rows: list
                 if progress:
                     progress.update(len(result.finished), len(result.token_request_ids))
                 faults.checkpoint("step")
-        except EngineDead:
+                budget.check(deadline, cfg)
+        except (EngineDead, budget.BudgetReached):
             raise
         except Exception as e:  # noqa: BLE001 - maybe one request's fault: find it by halving
             unfinished = engine.abort_all()
@@ -393,9 +410,11 @@ def _say(msg: str) -> None:
     print(f"batchgen: {msg}", file=sys.stderr, flush=True)
 
 
-def run_shard_in_worker(cfg: RunConfig, run_path: str, index: int, worker: Worker) -> dict[str, Any]:
+def run_shard_in_worker(cfg: RunConfig, run_path: str, index: int, worker: Worker,
+                        deadline: float | None = None) -> dict[str, Any]:
     """A shard as a unit of distributed work: everything from the config and the run directory, on
-    the process's worker (its loaded engine)."""
+    the process's worker (its loaded engine). `deadline`: the run's budget (batchgen.budget)."""
+    budget.check(deadline, cfg)
     run = RunDir(run_path, worker.faults)
     model_dir = resolve_model(cfg.model)
     engine = worker.load_engine(cfg, model_dir, run)
@@ -404,7 +423,7 @@ def run_shard_in_worker(cfg: RunConfig, run_path: str, index: int, worker: Worke
         dataset = order.planned(PromptDataset(cfg.inputs, cfg.keep_columns), run.store,
                                 run.read_json()["identity"].get("shard_by", IDENTITY_DEFAULTS["shard_by"]))
         manifest = run_shard(cfg, run, dataset, engine, index,
-                             reuse=worker.reuse_index(cfg, run_path))
+                             reuse=worker.reuse_index(cfg, run_path), deadline=deadline)
     except BaseException:
         worker.drop_engine(engine)  # its state is unknown (a dead vLLM core, half-fed requests): start clean
         raise
@@ -442,6 +461,8 @@ def abandon(opened: OpenRun, exc: BaseException) -> None:
     """End an attempt that did not finish: record why in run.json, release the lease."""
     if isinstance(exc, (KeyboardInterrupt, Interrupted)):
         status, detail = "interrupted", str(exc) or "interrupted (SIGINT)"
+    elif isinstance(exc, budget.BudgetReached):
+        status, detail = "stopped", str(exc)
     else:
         status, detail = "failed", f"{type(exc).__name__}: {exc}"
     try:
@@ -479,11 +500,12 @@ def generate(cfg: RunConfig, on_shard: Callable[[dict], None] | None = None, pro
     t_start = time.perf_counter()
     own_worker = worker is None
     worker = worker or Worker()
+    deadline = budget.deadline(cfg)  # from this invocation's start: loading the model is paid for too
     with interruptible():
         opened = open_run(cfg, worker.faults)
         if on_start:
             on_start(opened)
-        output_tokens = generated = empty = most_common = rows_done = errors_done = 0
+        output_tokens = generated = empty = most_common = looped = rows_done = errors_done = 0
         reasons: collections.Counter[str] = collections.Counter()
         engine = None
         try:
@@ -493,7 +515,8 @@ def generate(cfg: RunConfig, on_shard: Callable[[dict], None] | None = None, pro
             progress = _Progress(cfg.progress, opened.dataset.num_rows, opened.run.name)
             reuse = worker.reuse_index(cfg, str(opened.run.path))
             for shard in opened.dataset.shards(cfg.shard_size):  # one streaming pass over the input
-                manifest = run_shard(cfg, opened.run, opened.dataset, engine, shard.index, progress, shard, reuse)
+                manifest = run_shard(cfg, opened.run, opened.dataset, engine, shard.index, progress, shard, reuse,
+                                     deadline)
                 if manifest is None:
                     progress.update(shard.table.num_rows)
                     continue
@@ -501,6 +524,7 @@ def generate(cfg: RunConfig, on_shard: Callable[[dict], None] | None = None, pro
                 generated += manifest["ok"]
                 empty += manifest.get("empty_outputs", 0)
                 most_common = max(most_common, manifest.get("most_common_output", 0))
+                looped += manifest.get("looped_outputs", 0)
                 rows_done, errors_done = rows_done + manifest["rows"], errors_done + manifest["errors"]
                 reasons.update({reason: n for reason, n in manifest.get("error_reasons", [])})
                 check_error_rate(cfg, rows_done, errors_done, reasons)
@@ -515,6 +539,9 @@ def generate(cfg: RunConfig, on_shard: Callable[[dict], None] | None = None, pro
             abandon(opened, e)
             if lost:
                 raise LockError(lost) from e
+            if isinstance(e, budget.BudgetReached):
+                raise budget.BudgetReached(budget.how_far(str(e), opened.run.manifests(), opened.num_shards,
+                                                          opened.dataset.num_rows, opened.run.name)) from None
             raise
         finally:
             worker.close_reuse()
@@ -522,7 +549,7 @@ def generate(cfg: RunConfig, on_shard: Callable[[dict], None] | None = None, pro
             worker.drop_engine(engine)
     return RunSummary(str(opened.run.path), summary["rows"], summary["ok"], summary["errors"], summary["shards"],
                       opened.resumed, output_tokens, time.perf_counter() - t_start, summary["reused"], generated,
-                      empty, most_common, cfg.output_format)
+                      empty, most_common, cfg.output_format, looped)
 
 
 class _Progress:

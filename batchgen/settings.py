@@ -18,12 +18,13 @@ from batchgen.data.response_format import normalise_response_format
 # Prefect form show them: each field's default, bounds, choices, title and help are written once, on
 # the dataclass (batchgen.config.setting), and read here.
 RUN_FIELDS = ("run_id", "model", "engine", "prompt_format")
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "repetition_stop", "max_reasoning_tokens")
 ENGINE_FIELDS = ("max_num_seqs", "max_model_len", "kv_cache_memory", "kv_cache_memory_fraction", "kv_cache_tokens",
                  "block_size", "enable_prefix_caching", "max_num_batched_tokens", "dtype", "device",
                  "speculative_ngram", "quantization", "fp32_kernel", "sampler", "cuda_graphs", "compile",
                  "attention_backend", "batch_invariant", "admission")
 ERROR_FIELDS = ("max_error_rate", "error_rate_min_rows")
+BUDGET_FIELDS = ("max_hours", "max_cost", "price_per_hour")
 AS_LIST = {"stop"}  # a tuple in the library, a list in YAML, JSON and the form
 
 
@@ -61,7 +62,7 @@ class _Settings(BaseModel):
         return RunConfig(
             inputs=tuple(self.input), output_dir=self.output, **take(RUN_FIELDS + ("shard_size", "shard_by", "too_long", "n",
                                                                                    "output_format", "progress",
-                                                                                   *ERROR_FIELDS)),
+                                                                                   *ERROR_FIELDS, *BUDGET_FIELDS)),
             engine_config=EngineConfig(seed=self.seed, **take(ENGINE_FIELDS)),
             sampling=SamplingParams(stop=tuple(self.stop), ignore_eos=self.ignore_eos, logprobs=self.logprobs,
                                     structured=normalise_response_format(self.response_format),
@@ -106,7 +107,7 @@ GenerateSettings = create_model(
                                                      "column names the one it uses")),
     vllm=(dict[str, Any], Field(default_factory=dict, title="vLLM engine options",
                                 description="tensor_parallel_size, gpu_memory_utilization, enable_prefix_caching, ...")),
-    **{n: _from_config(RunConfig, n) for n in ("output_format", "progress", *ERROR_FIELDS)},
+    **{n: _from_config(RunConfig, n) for n in ("output_format", "progress", *ERROR_FIELDS, *BUDGET_FIELDS)},
 )
 GenerateSettings.__doc__ = "Settings of one generation job (fields from batchgen.config's dataclasses, and the edge's own)."
 

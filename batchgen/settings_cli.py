@@ -35,11 +35,13 @@ def _base(annotation) -> tuple[Any, bool]:
 # --help's groups, in the order a person reads them (vLLM's engine args are grouped so too); a field in
 # none of them lands in the last
 GROUPS = (("input and output", ("input", "output", "run_id", "keep_columns", "output_format", "reuse_from",
-                                "shard_size", "shard_by", "progress", "max_error_rate", "error_rate_min_rows")),
+                                "shard_size", "shard_by", "progress", "max_error_rate", "error_rate_min_rows",
+                                "max_hours", "max_cost", "price_per_hour")),
           ("model and prompts", ("model", "engine", "prompt_format", "chat_template_kwargs", "too_long",
                                  "lora_adapters")),
           ("sampling", ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
-                        "response_format", "n", "logprobs")),
+                        "response_format", "n", "logprobs", "repetition_stop",
+                        "max_reasoning_tokens")),
           ("batching and memory", ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "kv_cache_memory",
                                    "kv_cache_memory_fraction", "kv_cache_tokens", "block_size",
                                    "enable_prefix_caching", "admission")),

@@ -13,6 +13,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 
+from batchgen import budget
 from batchgen.data.order import lane_split
 from batchgen.runner import Worker, abandon, check_error_rate, finalize, open_run, run_shard_in_worker
 from batchgen.settings import GenerateSettings
@@ -45,22 +46,35 @@ def process_worker() -> Worker:
     return Worker()
 
 
-@task(retries=2, retry_delay_seconds=10, task_run_name="shard-{index}")
-def generate_shard(settings: GenerateSettings, run_path: str, index: int) -> dict[str, Any]:
+def _retry_unless_over_budget(task, task_run, state) -> bool:
+    """A shard task is retried, except past the run's budget (--max-hours, --max-cost): that stops the run."""
+    try:
+        state.result()
+    except budget.BudgetReached:
+        return False
+    except Exception:  # noqa: BLE001 - any other failure is worth a retry
+        return True
+    return True
+
+
+@task(retries=2, retry_delay_seconds=10, retry_condition_fn=_retry_unless_over_budget, task_run_name="shard-{index}")
+def generate_shard(settings: GenerateSettings, run_path: str, index: int,
+                   deadline: float | None = None) -> dict[str, Any]:
     """Generate and commit one shard (a committed shard is skipped, a partial one redone)."""
-    manifest = run_shard_in_worker(settings.to_run_config(), run_path, index, process_worker())
+    manifest = run_shard_in_worker(settings.to_run_config(), run_path, index, process_worker(), deadline)
     return {**manifest, "worker": _worker_name()}
 
 
-@task(retries=2, retry_delay_seconds=10, task_run_name="lane-{lane}")
-def generate_lane(settings: GenerateSettings, run_path: str, lane: int, indices: list[int]) -> list[dict[str, Any]]:
+@task(retries=2, retry_delay_seconds=10, retry_condition_fn=_retry_unless_over_budget, task_run_name="lane-{lane}")
+def generate_lane(settings: GenerateSettings, run_path: str, lane: int, indices: list[int],
+                  deadline: float | None = None) -> list[dict[str, Any]]:
     """Generate a contiguous run of shards of a prefix-ordered run, in order, in this one process: rows
     that share a prefix sit in adjacent shards, and the engine's prefix cache carries over between them.
     A retry skips the shards already committed."""
     logger = get_run_logger()
     manifests = []
     for index in indices:
-        manifest = run_shard_in_worker(settings.to_run_config(), run_path, index, process_worker())
+        manifest = run_shard_in_worker(settings.to_run_config(), run_path, index, process_worker(), deadline)
         manifests.append({**manifest, "worker": _worker_name()})
         logger.info("lane %s: shard %s %s", lane, index, "was already committed" if manifest.get("skipped")
                     else "committed")
@@ -101,17 +115,18 @@ def _task_runner(fanout: FanOut):
 
 @flow(name="batchgen-generate-shards")
 def generate_shards(settings: GenerateSettings, run_path: str, indices: list[int],
-                    gpus_per_shard: float = 0.0, lanes: int | None = None) -> list[dict[str, Any]]:
+                    gpus_per_shard: float = 0.0, lanes: int | None = None,
+                    deadline: float | None = None) -> list[dict[str, Any]]:
     """Fan the shards out over the flow's task runner and report progress as they commit: one task per
     shard, or (`lanes`, a prefix-ordered run on Ray; 0 for as many as the cluster runs at once) one task
     per contiguous run of shards."""
     logger = get_run_logger()
     progress = create_progress_artifact(0.0, description=f"shards committed of run {run_path}")
     if lanes is not None:
-        work = [(generate_lane, (settings, run_path, k, run))
+        work = [(generate_lane, (settings, run_path, k, run, deadline))
                 for k, run in enumerate(lane_split(indices, lanes or _ray_slots(gpus_per_shard)))]
     else:
-        work = [(generate_shard, (settings, run_path, index)) for index in indices]
+        work = [(generate_shard, (settings, run_path, index, deadline)) for index in indices]
     futures = []
     for fn, args in work:
         if gpus_per_shard:
@@ -151,6 +166,7 @@ def generate(settings: GenerateSettings, fanout: FanOut = FanOut()) -> dict[str,
     if settings.run_id is None:  # a retried flow run must land in the same run directory
         settings = settings.model_copy(update={"run_id": f"flow-{flow_run.get_id()[:8]}"})
     settings = settings.model_copy(update={"progress": False})
+    deadline = budget.deadline(settings.to_run_config())  # one instant for every shard task, wherever it runs
     opened = open_run(settings.to_run_config(), process_worker().faults)
     logger.info("run %s: %s rows in %s shards%s, in %s order (%s)", opened.run.path, opened.dataset.num_rows,
                 opened.num_shards, " (resuming)" if opened.resumed else "", opened.shard_by, opened.shard_by_why)
@@ -158,9 +174,12 @@ def generate(settings: GenerateSettings, fanout: FanOut = FanOut()) -> dict[str,
         shards_flow = generate_shards.with_options(task_runner=_task_runner(fanout))
         lanes = fanout.lanes if fanout.ray_address and opened.shard_by == "prefix" else None
         manifests = shards_flow(settings, str(opened.run.path), list(range(opened.num_shards)), fanout.gpus_per_shard,
-                                lanes)
+                                lanes, deadline)
     except BaseException as e:
         abandon(opened, e)
+        if isinstance(e, budget.BudgetReached):
+            raise budget.BudgetReached(budget.how_far(str(e), opened.run.manifests(), opened.num_shards,
+                                                      opened.dataset.num_rows, opened.run.name)) from None
         raise
     summary = finalize(opened)
     logger.info("run %s complete: %s", opened.run.path, summary)

@@ -1,11 +1,13 @@
 -- A sample of each run's rows to read: up to 500 per run, the same rows every time (ordered by a hash
--- of the id), with the prompt where the run kept it (--keep-columns prompt), the output and how it ended.
+-- of the id), with the prompt as given (null in runs made before requests/ held it), a thinking model's
+-- reasoning, the output and how it ended.
 with final as (
     select
         run_id,
         id,
         sample_index,
         prompt,
+        reasoning,
         text as output,
         finish_reason,
         prompt_tokens,

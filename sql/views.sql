@@ -16,14 +16,15 @@ set variable committed_files = (
     with f as (select run_dir, unnest(files) as file from manifests)
     select list(run_dir || '/' || file.path order by run_dir, file.path) from f);
 
--- (runs written before request keys existed read with those columns null; `prompt` is null unless the
--- run kept its input's prompt column, --keep-columns prompt)
+-- (runs written before request keys, each row's prompt or the reasoning columns existed read with
+-- those columns null)
 create or replace view requests as
 select regexp_extract(filename, '([^/]+)/requests/shard=', 1) as run_id, * exclude (filename)
 from (select * from read_parquet(list_filter(getvariable('committed_files'), lambda p: p like '%/requests/shard=%'),
                                  hive_partitioning = true, filename = true, union_by_name = true)
       union all by name
-      select null::varchar as request_key, null::varchar as reused_from_run, null::varchar as prompt where false);
+      select null::varchar as request_key, null::varchar as reused_from_run, null::varchar as prompt,
+             null::varchar as reasoning, null::integer as reasoning_tokens, null::boolean as reasoning_cut where false);
 
 -- the rows this run generated: what every latency and throughput figure is made of. A row copied from
 -- an earlier run (--reuse-from: reused_from_run set) has no timings of its own and is counted apart.

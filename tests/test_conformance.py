@@ -284,6 +284,29 @@ def test_n_samples_are_the_same_rows_with_the_same_seeds_on_both_engines(tmp_pat
         {(r["id"], r["sample_index"]) for r in req}
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_looping_row_is_stopped_the_same_way_on_both_engines(tmp_path, runs, engine, workers):
+    """The repetition rule (batchgen.engine.repetition) on both engines: a seed prompt the real model
+    loops on ends with finish_reason 'repetition' well before max_tokens, its tokens a loop by the rule;
+    a row that ends by itself is untouched."""
+    from batchgen.engine.repetition import looping
+
+    rows = [r for r in pq.read_table(TEST_DATA / "alpaca_seed_prompts.parquet").to_pylist()
+            if r["id"] in ("seed_task_4", "seed_task_1")]
+    inp = tmp_path / "in.parquet"
+    pq.write_table(__import__("pyarrow").Table.from_pylist(rows), inp)
+    cfg = RunConfig(inputs=(str(inp),), output_dir=str(tmp_path), run_id=engine, engine=engine,
+                    engine_options=EAGER if engine == "vllm" else (),
+                    engine_config=CONFIG,  # the fixture's: vLLM is reused
+                    sampling=SamplingParams(max_tokens=160), progress=False)
+    summary = generate(cfg, probe=False, worker=workers[engine])
+    req = {r["id"]: r for r in read_run_table(tmp_path / engine, "requests").to_pylist()}
+    assert summary.looped == 1 and req["seed_task_4"]["finish_reason"] == "repetition"
+    assert req["seed_task_4"]["output_tokens"] < 120 and looping(req["seed_task_4"]["output_token_ids"])
+    assert req["seed_task_1"]["finish_reason"] == "stop"
+    assert {t["request_id"] for t in read_run_table(tmp_path / engine, "tokens").to_pylist()} == set(req)
+
+
 def test_dead_vllm_engine_fails_the_run_and_a_rerun_resumes(tmp_path, runs, workers):
     """Kill vLLM's engine-core process: the shard fails (no manifest, no _SUCCESS), the dead engine is
     dropped, and the same command resumes into a complete, exactly-once run with a fresh engine. It

@@ -26,7 +26,7 @@ def dataset_run(tmp_path_factory, tiny_model_dir):
     ids = [f"d{i:02d}" for i in range(len(prompts))]
     inp = write_prompts(root / "in.parquet", prompts, ids=ids, max_tokens=[1 + i % 6 for i in range(len(prompts))])
     assert main(["generate", "--input", str(inp), "--output", str(root), "--run-id", "ds", "--model",
-                 str(tiny_model_dir), "--max-model-len", "64", "--max-tokens", "6", "--keep-columns", "prompt",
+                 str(tiny_model_dir), "--max-model-len", "64", "--max-tokens", "6",
                  "--shard-size", "8", "--no-progress"]) == 0
     return root / "ds"
 
@@ -76,7 +76,7 @@ def test_the_queries_match_python(dataset_run):
 
     sample = run_query(con, "sample_rows").to_pylist()
     assert sorted(r["id"] for r in sample) == sorted(r["id"] for r in req)  # under 500: every row
-    assert {r["id"]: r["prompt"] for r in sample}["d17"] == SCRIPT  # the kept prompt column
+    assert {r["id"]: r["prompt"] for r in sample}["d17"] == SCRIPT  # every row's prompt, by default
 
 
 def test_the_page_shows_it_escaped(dataset_run, tmp_path):

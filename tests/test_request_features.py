@@ -82,8 +82,23 @@ def test_features_through_the_cli_with_kept_columns(tmp_path, tiny_model_dir):
     assert {k: (r["source"], r["weight"]) for k, r in req.items()} == {"a": ("wiki", 0.5), "b": ("news", 1.5),
                                                                       "c": ("wiki", 2.5)}
     assert err["id"] == "bad" and err["source"] == "forum" and "stop must be" in err["error"]
+    assert {k: r["prompt"] for k, r in req.items()} == {"a": "one two", "b": "three four", "c": "five six"}
+    assert err["prompt"] == "seven"  # beside the answer, or beside the error
     assert req["b"]["prompt_tokens"] > req["a"]["prompt_tokens"] + 5  # the system turn and template were added
     assert read_run_table(out / "r", "requests").schema.field("weight").type == pa.float64()  # widened, as every file of the input is
+
+
+def test_the_prompt_as_given_beside_each_answer():
+    """requests/ and errors/ carry each row's prompt: the prompt column, or a chat's last user turn."""
+    from batchgen.data.writer import prompt_as_given
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Capital of France?"}]
+    assert prompt_as_given({"id": "a", "prompt": "plain"}) == "plain"
+    assert prompt_as_given({"id": "b", "messages": chat}) == "Capital of France?"
+    assert prompt_as_given({"id": "c", "messages": json.dumps(chat)}) == "Capital of France?"
+    assert prompt_as_given({"id": "d", "messages": "not json"}) is None
+    assert prompt_as_given({"id": "e", "messages": [{"role": "system", "content": "x"}]}) is None
 
 
 def test_keep_columns_that_are_missing_or_clash_are_whole_input_errors(tmp_path, tiny_model_dir, capsys):

@@ -67,7 +67,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
 # What each integer parameter may hold: a seed is a signed 64-bit value (what every engine and the
 # sampler's hash take); counts fit in 32 bits. Outside these a row is refused, never the run.
 INT_RANGES = {"max_tokens": (1, 2**31 - 1), "top_k": (0, 2**31 - 1), "seed": (-(2**63), 2**63 - 1),
-              "logprobs": (0, 2**31 - 1), "n": (1, 1024)}
+              "logprobs": (0, 2**31 - 1), "n": (1, 1024), "max_reasoning_tokens": (1, 2**31 - 1)}
 
 
 def _stop(value: Any) -> tuple[str, ...] | None:
@@ -151,7 +151,7 @@ class InputProcessor:
         try:
             overrides = {k: _param(row, k, t) for k, t in
                          (("max_tokens", int), ("temperature", float), ("top_p", float), ("top_k", int), ("seed", int),
-                          ("logprobs", int))}
+                          ("logprobs", int), ("max_reasoning_tokens", int))}
             n = _param(row, "n", int) or self.n
             overrides["stop"] = _stop(row.get("stop"))
             overrides["structured"] = normalise_response_format(row.get("response_format"))

@@ -29,7 +29,7 @@ from batchgen.data.storage import sha256_file
 
 PROMPT, MESSAGES, ID = "prompt", "messages", "id"
 ROW = "_row"  # a staged row's number in the input (batchgen.data.order)
-PARAM_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "n")
+PARAM_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "n", "max_reasoning_tokens")
 ROW_COLUMNS = ("stop", "system", "chat_template_kwargs", "response_format", "lora")  # per-row request options, checked row by row
 
 

@@ -28,7 +28,6 @@ import hashlib
 import json
 import shutil
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ from batchgen.data.fs import filesystem, is_uri
 from batchgen.data.run import RunDir
 
 KEY_VERSION = 1
-REUSABLE_FINISH = ("stop", "length")  # a row that ended in an error or an abort is generated again
+REUSABLE_FINISH = ("stop", "length", "repetition")  # a row that ended in an error or an abort is generated again
 INDEX_MEMORY_LIMIT = "64MB"  # DuckDB spills the index to its file on disk beyond this
 
 
@@ -61,7 +60,7 @@ def numerics(model_fingerprint: str, engine_conditions: dict[str, Any], max_mode
 
 def request_key(numerics_: dict, prompt_token_ids: list[int], sampling: SamplingParams, sample_index: int) -> str:
     """The row's key (64 hex digits): see the module's docstring for what goes in."""
-    params = asdict(sampling)
+    params = sampling.record()
     if sampling.greedy:
         params["seed"] = None  # greedy tokens are the same under any seed
     head = json.dumps({"v": KEY_VERSION, "numerics": numerics_, "sampling": params, "sample_index": sample_index},

@@ -6,6 +6,8 @@ nothing of torch; times arrive as seconds relative to the run start.
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 
 from batchgen.data.prompts import RowError
@@ -21,9 +23,12 @@ REQUESTS_SCHEMA = pa.schema([
     # what decides the row's tokens, hashed (batchgen.data.reuse); null where the run was not batch-invariant
     ("request_key", pa.string()),
     ("reused_from_run", pa.string()),  # the earlier run the row was copied from (--reuse-from); null: generated here
+    # a thinking model's thought, apart from `text` (the answer); null where there was none
+    ("reasoning", pa.string()), ("reasoning_tokens", pa.int32()), ("reasoning_cut", pa.bool_()),
 ])
 # a reused row's own figures: what it was copied with (its timings stay null: it did not run here)
-REUSED_COLUMNS = ("prompt_tokens", "output_tokens", "output_token_ids", "text", "finish_reason")
+REUSED_COLUMNS = ("prompt_tokens", "output_tokens", "output_token_ids", "text", "finish_reason", "reasoning",
+                  "reasoning_tokens", "reasoning_cut")
 # sample_index / num_samples are null when the error covers the whole input row (every sample of it)
 ERRORS_SCHEMA = pa.schema([("id", pa.string()), ("error", pa.string()), ("stage", pa.string()),
                            ("sample_index", pa.int32()), ("num_samples", pa.int32())])
@@ -42,12 +47,33 @@ STEPS_SCHEMA = pa.schema([
     ("num_draft_tokens", pa.int32()), ("num_accepted_tokens", pa.int32()),  # speculative decoding
 ])
 SCHEMAS = {"requests": REQUESTS_SCHEMA, "errors": ERRORS_SCHEMA, "tokens": TOKENS_SCHEMA, "steps": STEPS_SCHEMA}
+# requests/ and errors/ end with the row's prompt as given, so a reader sees it beside the answer or the
+# error: the prompt column, or for chat messages the last user turn (their full list: --keep-columns messages)
+PROMPT = pa.field("prompt", pa.string())
+
+
+def prompt_as_given(row: dict) -> str | None:
+    """The row's prompt for a reader: its `prompt`, or the content of its last user message."""
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    messages = row.get("messages")
+    if isinstance(messages, str):  # JSON text (a Parquet string column); invalid JSON is the row's error
+        try:
+            messages = json.loads(messages)
+        except ValueError:
+            return None
+    if isinstance(messages, list):
+        users = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+        return users[-1] if users and isinstance(users[-1], str) else None
+    return None
 
 
 class ShardWriter:
     def __init__(self, kept_schema: pa.Schema | None = None):
         self.kept_schema = kept_schema or pa.schema([])  # input columns carried into requests/ and errors/
         self._kept: dict[str, dict] = {}
+        self._prompts: dict[str, str | None] = {}
         self.requests: dict[str, list] = {f: [] for f in REQUESTS_SCHEMA.names}
         self.errors: dict[str, list] = {f: [] for f in ERRORS_SCHEMA.names}
         self.tokens: dict[str, list] = {f: [] for f in TOKENS_SCHEMA.names}
@@ -74,7 +100,8 @@ class ShardWriter:
             self.truncated[request_id] = truncated_from
 
     def keep(self, row: dict) -> None:
-        """Remember the row's kept input columns (nothing when none are kept)."""
+        """Remember the row's prompt and its kept input columns."""
+        self._prompts[row["id"]] = prompt_as_given(row)
         if self.kept_schema.names:
             self._kept[row["id"]] = {c: row.get(c) for c in self.kept_schema.names}
 
@@ -83,7 +110,7 @@ class ShardWriter:
         copied, its timings null, its source named. expect() was called for it as for any request."""
         q = self.requests
         for name in REQUESTS_SCHEMA.names:
-            q[name].append(earlier[name] if name in REUSED_COLUMNS else None)
+            q[name].append(earlier.get(name) if name in REUSED_COLUMNS else None)  # older runs lack the newer columns
         q["id"][-1] = request_id
         q["prompt_truncated_from"][-1] = self.truncated.pop(request_id, None)
         q["seed"][-1] = self.seeds.pop(request_id, None)
@@ -162,6 +189,9 @@ class ShardWriter:
         q["seed"].append(self.seeds.pop(f.request_id, None))
         q["request_key"].append(self.keys.pop(f.request_id, None))
         q["reused_from_run"].append(None)
+        q["reasoning"].append(f.reasoning)
+        q["reasoning_tokens"].append(f.reasoning_tokens)
+        q["reasoning_cut"].append(f.reasoning_cut)
         self._last_t.pop(f.request_id, None)
 
     def _to_rows(self, cols: dict[str, list], id_col: str, num_col: str | None, default_index) -> None:
@@ -186,6 +216,8 @@ class ShardWriter:
                                  schema=SCHEMAS[name])
         for name in ("requests", "errors"):
             ids = out[name].column("id").to_pylist()
+            if PROMPT.name not in self.kept_schema.names:  # kept as it is in the input where asked for
+                out[name] = out[name].append_column(PROMPT, pa.array([self._prompts.get(i) for i in ids], PROMPT.type))
             for field in self.kept_schema:
                 values = [self._kept.get(i, {}).get(field.name) for i in ids]
                 out[name] = out[name].append_column(field, pa.array(values, field.type))

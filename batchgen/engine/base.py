@@ -33,13 +33,18 @@ class FinishedRequest:
     prompt_tokens: int
     output_token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS or stop string) | "length" (max_tokens or context limit)
+    finish_reason: str  # "stop" (EOS or stop string) | "length" (max_tokens or context limit) | "repetition"
     enqueue_t: float
     schedule_t: float
     first_token_t: float
     last_token_t: float
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache (None: not reported)
     num_preemptions: int | None = None
+    # a thinking model's thought, apart from `text` (the answer): None where the model has no think
+    # markers or the row answered without one (batchgen.engine.reasoning)
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None  # of output_token_ids, the thought's, markers included
+    reasoning_cut: bool | None = None  # its budget (max_reasoning_tokens) closed the thought
 
 
 def step_bytes_read(ran: bool, num_tokens: int, sum_context_len: int, weight_bytes: int, row_embed_bytes: int,

@@ -20,6 +20,7 @@ from batchgen.engine.base import Engine, RequestRejected, StepResult, monotonic_
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.output_processor import OutputProcessor
+from batchgen.engine.reasoning import Thought, markers_of
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.speculative import NgramProposer
@@ -59,6 +60,8 @@ class NativeEngine(Engine):
                                       (self.runner.model.weight_bytes, self.runner.row_embed_bytes,
                                        self.runner.kv_bytes_per_token))
         self._ids: set[str] = set()
+        # a thinking model's markers, from its own chat template and vocabulary (None: no reasoning)
+        self.markers = markers_of(self.tokenizer.template_source, self.tokenizer.token_id, self.tokenizer.encode)
 
     # the runner's and the output processor's figures, where callers (bench, tests) read them
     model = property(lambda self: self.runner.model)
@@ -100,10 +103,12 @@ class NativeEngine(Engine):
         try:
             if sampling.structured:
                 self.constraints.add(request_id, sampling.structured)  # compiles first: a bad spec is this row's
-            # a grammar or logprobs go one token at a time: no drafts for them
-            speculate = not sampling.structured and sampling.logprobs is None
+            thought = (Thought(self.markers, self.markers.in_thought_after(prompt_token_ids),
+                                    sampling.max_reasoning_tokens) if self.markers else None)
+            # a grammar, logprobs or a reasoning budget go one token at a time: no drafts for them
+            speculate = not sampling.structured and sampling.logprobs is None and sampling.max_reasoning_tokens is None
             self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, seed, enqueue_t=self.clock(),
-                                       speculate=speculate))
+                                       speculate=speculate, thought=thought))
         except ValueError as e:
             self.constraints.drop(request_id)
             raise RequestRejected(str(e)) from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from batchgen.engine.base import FinishedRequest, StepResult, step_bytes_read
 from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.repetition import looping
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -69,6 +70,9 @@ class OutputProcessor:
         if with_logprobs:
             res.token_logprobs.append(None if lp is None else lp[0])
             res.token_top_logprobs.append(None if lp is None or r.sampling.logprobs == 0 else lp[1])
+        if r.thought is not None:  # a reasoning budget may write the tokens that close the thought
+            tok = r.thought.next_token(tok)
+            r.thought.took(tok, len(r.output_token_ids))
         r.output_token_ids.append(tok)
         if r.first_token_t is None:
             r.first_token_t = end_t
@@ -94,14 +98,19 @@ class OutputProcessor:
                 return "stop"
         if len(r.output_token_ids) >= sp.max_tokens or r.num_tokens >= self.max_model_len:
             return "length"
+        if sp.stops_loops and looping(r.output_token_ids):
+            return "repetition"
         return None
 
     def _finished(self, r: Request) -> FinishedRequest:
-        text = self.tokenizer.decode(r.output_token_ids)
+        reasoning, text, n_reasoning = (r.thought.split(r.output_token_ids, self.tokenizer.decode) if r.thought
+                                        else (None, self.tokenizer.decode(r.output_token_ids), 0))
         if r.sampling.stop and r.finish_reason == "stop":
             cut = min((i for i in (text.find(s) for s in r.sampling.stop) if i >= 0), default=-1)
             if cut >= 0:
                 text = text[:cut]  # like vLLM, the stop string itself is not part of the output
         return FinishedRequest(r.request_id, r.num_prompt_tokens, r.output_token_ids, text, r.finish_reason,
                                r.enqueue_t, r.schedule_t, r.first_token_t, r.last_token_t,
-                               num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions)
+                               num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions,
+                               reasoning=reasoning, reasoning_tokens=n_reasoning if reasoning is not None else None,
+                               reasoning_cut=r.thought.cut if reasoning is not None else None)

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from batchgen.config import SamplingParams
+from batchgen.engine.reasoning import Thought
 
 
 class RequestStatus(enum.Enum):
@@ -38,6 +39,7 @@ class Request:
     # blocks (set when it is queued), and how often a request queued behind it was admitted first
     prefix_keys: tuple[int, ...] = ()
     passed_over: int = 0
+    thought: Thought | None = None  # a thinking model's reasoning as it comes (batchgen.engine.reasoning)
 
     @property
     def num_prompt_tokens(self) -> int:

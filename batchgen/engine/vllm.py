@@ -24,6 +24,8 @@ from batchgen.config import DTYPE_BYTES, EngineConfig, SamplingParams, kv_bytes_
 from batchgen.engine.base import (Engine, EngineDead, FinishedRequest, RequestRejected, StepResult, monotonic_clock,
                                   step_bytes_read)
 from batchgen.engine.kv_cache import free_memory_bytes
+from batchgen.engine.reasoning import Thought, markers_of
+from batchgen.engine.repetition import looping
 from batchgen.model.loader import count_decode_weight_elements, read_hf_shape
 from batchgen.model.tokenizer import Tokenizer
 
@@ -174,12 +176,19 @@ def _logprobs(entry, tok: int, k: int | None) -> tuple[float | None, list[tuple[
     return chosen, [(tid, lp) for _, tid, lp in ranked[:k]]
 
 
+BUDGET_ON_VLLM = ("max_reasoning_tokens: a thinking budget runs on the native engine; under --engine vllm give vLLM's "
+                  "own reasoning options (--vllm-option reasoning_parser=...) and leave the budget empty")
+
+
 class _Tracked:
     __slots__ = ("prompt_tokens", "token_ids", "text", "enqueue_t", "schedule_t", "first_token_t", "last_token_t",
-                 "logprobs")
+                 "logprobs", "repetition_stop", "thought")
 
-    def __init__(self, prompt_tokens: int, enqueue_t: float, logprobs: int | None = None):
+    def __init__(self, prompt_tokens: int, enqueue_t: float, logprobs: int | None = None,
+                 repetition_stop: bool = False, thought: Thought | None = None):
         self.logprobs = logprobs
+        self.repetition_stop = repetition_stop
+        self.thought = thought
         self.prompt_tokens = prompt_tokens
         self.token_ids: list[int] = []
         self.text = ""
@@ -219,6 +228,7 @@ class VllmEngine(Engine):
         shape = read_hf_shape(model_dir)  # vLLM itself decides whether it runs the architecture
         self.max_model_len = min(config.max_model_len, shape["max_position_embeddings"])
         self.tokenizer = Tokenizer(model_dir)
+        self.markers = markers_of(self.tokenizer.template_source, self.tokenizer.token_id, self.tokenizer.encode)
         self.clock = clock or monotonic_clock()
         on_cpu = config.device == "cpu"
         self.batch_invariant = vllm_batch_invariance(config)
@@ -294,6 +304,8 @@ class VllmEngine(Engine):
 
         if request_id in self._requests:
             raise RequestRejected(f"duplicate request id {request_id!r}")
+        if sampling.max_reasoning_tokens is not None:
+            raise RequestRejected(BUDGET_ON_VLLM)
         structured = None
         if sampling.structured:  # the same spec, through vLLM's own structured outputs
             from vllm.sampling_params import StructuredOutputsParams
@@ -325,7 +337,9 @@ class VllmEngine(Engine):
             if "Dead" in type(e).__name__:  # EngineDeadError: the shard fails and is retried, not a row error
                 raise
             raise RequestRejected(f"vllm rejected the request: {e}") from None
-        self._requests[request_id] = _Tracked(len(prompt_token_ids), enqueue_t, sampling.logprobs)
+        thought = Thought(self.markers, self.markers.in_thought_after(prompt_token_ids)) if self.markers else None
+        self._requests[request_id] = _Tracked(len(prompt_token_ids), enqueue_t, sampling.logprobs,
+                                              sampling.stops_loops, thought)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -378,8 +392,11 @@ class VllmEngine(Engine):
         res = StepResult(step_id=self._step_id, start_t=start_t, end_t=end_t, num_running=0, num_waiting=0,
                          num_prefill_tokens=stats.num_prompt_tokens - prompt_before, num_decode_tokens=0,
                          sum_context_len=0, bytes_read=0)
+        looped = []
         for out in outputs:
-            tracked = self._requests[out.request_id]
+            tracked = self._requests.get(out.request_id)
+            if tracked is None:  # a row this engine ended (a loop) whose abort vLLM had not yet seen
+                continue
             completion = out.outputs[0]
             new_ids = list(completion.token_ids)
             if tracked.schedule_t is None:  # the engine core's scheduling time: same monotonic clock as ours
@@ -396,18 +413,32 @@ class VllmEngine(Engine):
                 res.token_logprobs.append(chosen)
                 res.token_top_logprobs.append(top)
                 res.sum_context_len += ctx
+                if tracked.thought is not None:
+                    tracked.thought.took(tok, len(tracked.token_ids))
                 tracked.token_ids.append(tok)
             if new_ids:  # like the native engine: the time step() returned, after the device synced
                 tracked.first_token_t = tracked.first_token_t if tracked.first_token_t is not None else end_t
                 tracked.last_token_t = end_t
             tracked.text += completion.text
-            if out.finished:
+            reason = ("stop" if completion.finish_reason == "stop" else "length") if out.finished else None
+            if reason is None and tracked.repetition_stop and looping(tracked.token_ids):
+                reason = "repetition"  # the native engine's rule (batchgen.engine.repetition), vLLM told to drop it
+                looped.append(out.request_id)
+            if reason is not None:
                 del self._requests[out.request_id]
+                thought = tracked.thought
+                reasoning, text, n = (thought.split(tracked.token_ids, self.tokenizer.decode) if thought
+                                      else (None, tracked.text, 0))
+                if reasoning is None:
+                    text = tracked.text  # vLLM's own detokenized text where there is no thought to split
                 res.finished.append(FinishedRequest(
-                    out.request_id, tracked.prompt_tokens, tracked.token_ids, tracked.text,
-                    "stop" if completion.finish_reason == "stop" else "length", tracked.enqueue_t,
+                    out.request_id, tracked.prompt_tokens, tracked.token_ids, text, reason, tracked.enqueue_t,
                     min(tracked.schedule_t, tracked.first_token_t or end_t), tracked.first_token_t or end_t,
-                    tracked.last_token_t or end_t, num_cached_tokens=getattr(out, "num_cached_tokens", None)))
+                    tracked.last_token_t or end_t, num_cached_tokens=getattr(out, "num_cached_tokens", None),
+                    reasoning=reasoning, reasoning_tokens=n if reasoning is not None else None,
+                    reasoning_cut=False if reasoning is not None else None))
+        if looped:
+            self.engine.abort_request(looped)
         num_tokens = len(res.token_request_ids)
         res.num_running = stats.num_running or len({r for r in res.token_request_ids})
         res.num_waiting = stats.num_waiting

@@ -42,7 +42,16 @@ def random_model(shape: str, dtype: torch.dtype, device: str, max_positions: int
 
 
 class IdTokenizer:
-    """Token ids as text: the engine decodes finished outputs, and random weights have no vocabulary."""
+    """Token ids as text: the engine decodes finished outputs, and random weights have no vocabulary
+    (nor a chat template: no think markers)."""
+
+    template_source = None
 
     def decode(self, ids: list[int]) -> str:
         return " ".join(map(str, ids))
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def token_id(self, text: str) -> int | None:
+        return None

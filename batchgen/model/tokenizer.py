@@ -34,6 +34,14 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._template_src)
 
+    @property
+    def template_source(self) -> str | None:
+        return self._template_src
+
+    def token_id(self, text: str) -> int | None:
+        """The id of `text` where the vocabulary holds it as one token."""
+        return self._tok.token_to_id(text)
+
     def is_rendered(self, text: str) -> bool:
         """Whether `text` already holds a special token of this tokenizer (a chat turn's marker such as
         <|im_start|>, a BOS): a prompt that was rendered with a template before it came here."""
@@ -49,8 +57,9 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], keep_special: bool = False) -> str:
+        """The text of `ids`; `keep_special`: with the template's special tokens (a rendered prompt)."""
+        return self._tok.decode(ids, skip_special_tokens=not keep_special)
 
     def apply_chat_template(self, messages: list[dict[str, str]], **kwargs: Any) -> str:
         """Render messages the way transformers' apply_chat_template(add_generation_prompt=True) does;

@@ -141,14 +141,16 @@ def dataset_html(results: dict[str, pa.Table], charts: list[Chart], cond: str) -
     a sample of the rows themselves."""
     parts = ["<section id=dataset><h2>Dataset: what was generated</h2><p class=note>Generated and reused rows "
              "alike (reused rows are this run's dataset too). length_share: rows that ran into max_tokens (or the "
-             "context); duplicate_share: rows whose output another row of the run has word for word.</p>",
+             "context); finished_repetition: rows stopped in a loop; duplicate_share: rows whose output another row "
+             "of the run has word for word; with_reasoning: rows with a thought apart from their answer (its "
+             "tokens against the answer's; cut by its budget; never closed before max_tokens).</p>",
              table_html(results["dataset_summary"])]
     parts += [chart_html(c, cond) for c in charts]
     parts += [f"<h3>{html.escape(title)}</h3>{table_html(results[name])}" for title, name in DATASET_TABLES]
     sample = results["sample_rows"]
     kept = sample.num_rows and any(v is not None for v in sample.column("prompt").to_pylist())
     parts.append("<h3>A sample of the rows</h3><p class=note>Up to 500 rows per run, the same ones each time"
-                 + ("" if kept else "; prompts show where the run kept them (--keep-columns prompt)") + ".</p>"
+                 + ("" if kept else "; this run was made before requests/ held each row's prompt") + ".</p>"
                  + sample_table_html(sample))
     return "".join(parts) + "</section>"
 
