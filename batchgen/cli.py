@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                "lab": cmd_lab, "model": cmd_prepare, "kernels": cmd_kernels}[args.command]
     try:
         return handler(args)
-    except KeyboardInterrupt as e:  # SIGINT, or SIGTERM during a run (batchgen.runner.Interrupted)
+    except KeyboardInterrupt as e:  # SIGINT, or SIGTERM during a run (batchgen.signals.Interrupted)
         print(f"batchgen: {e or 'interrupted'}; the same command resumes the run", file=sys.stderr)
         return 130
     except BudgetReached as e:  # a planned stop, not an error: its own exit status

@@ -271,8 +271,9 @@ class SamplingParams:
                                         "never with ignore_eos")
     max_reasoning_tokens: int | None = setting(
         None, ge=1, title="Max reasoning tokens (a thinking model's budget)",
-        help="a row that has thought this long has its thought closed and its answer begun (a row's "
-             "max_reasoning_tokens column wins); native engine; empty: no budget")
+        help="a thought is at most this many tokens, its end marker included: a row that would think longer "
+             "has its thought closed and its answer begun (a row's max_reasoning_tokens column wins); "
+             "empty: no budget")
     structured: str | None = None  # canonical response_format spec (batchgen.data.response_format), or None
     lora: str | None = None  # the name of a LoRA adapter of the run (vLLM engine)
 
@@ -423,6 +424,13 @@ class EngineConfig:
         if self.kv_cache_memory_fraction is None and not self.device.startswith("cuda"):
             return CPU_DEFAULT_KV_BYTES
         return int(free_bytes * (self.kv_cache_memory_fraction or CUDA_DEFAULT_KV_FRACTION))
+
+    def kv_blocks(self, bytes_per_token: int, block_size: int, max_model_len: int, free_bytes: int) -> int:
+        """The one KV sizing rule, for either engine: the pool's budget (kv_pool_bytes) in blocks of
+        `block_size` positions, capped at what max_num_seqs rows of max_model_len could ever hold at once."""
+        most_useful = self.max_num_seqs * -(-max_model_len // block_size)
+        return max(1, min(self.kv_pool_bytes(bytes_per_token, free_bytes) // (bytes_per_token * block_size),
+                          most_useful))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ from pydantic import BaseModel, Field
 
 from batchgen import budget
 from batchgen.data.order import lane_split
-from batchgen.runner import Worker, abandon, check_error_rate, finalize, open_run, run_shard_in_worker
+from batchgen.outcome import check_error_rate
+from batchgen.runner import abandon, finalize, open_run, run_shard_in_worker
+from batchgen.worker import Worker
 from batchgen.settings import GenerateSettings
 
 

@@ -202,7 +202,7 @@ def test_a_resume_keeps_the_weights_the_run_started_with(tmp_path):
     the attempts' conditions as an engine writes them)."""
     from batchgen.config import RunConfig
     from batchgen.data.run import RunDir
-    from batchgen.runner import weights_as_started
+    from batchgen.worker import weights_as_started
 
     def cfg(**engine):
         return RunConfig(inputs=("in.parquet",), output_dir=str(tmp_path), engine_config=EngineConfig(**engine))

@@ -11,7 +11,8 @@ import pytest
 from batchgen.config import EngineConfig, RunConfig, SamplingParams
 from batchgen.data.writer import SCHEMAS
 from batchgen.engine import RequestRejected
-from batchgen.runner import Worker, generate
+from batchgen.runner import generate
+from batchgen.worker import Worker
 
 from conftest import TEST_DATA, cli_args, read_run_table, run_cli_subprocess, skip_or_fail, write_prompts
 

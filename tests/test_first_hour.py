@@ -8,7 +8,7 @@ from batchgen.cli import main, parse, where_outputs_are
 from batchgen.data.prompts import InputProcessor
 from batchgen.config import SamplingParams
 from batchgen.model.tokenizer import Tokenizer
-from batchgen.runner import RunSummary
+from batchgen.outcome import RunSummary
 
 from conftest import cli_args, write_prompts
 

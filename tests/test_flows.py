@@ -176,7 +176,7 @@ class FlakyEngineDouble:
 def test_a_dying_engine_fails_the_shard_which_is_retried_and_resumed(tmp_path, tiny_model_dir, monkeypatch):
     import flows.generate as flows_generate
     from batchgen.engine import create_engine
-    from batchgen.runner import Worker
+    from batchgen.worker import Worker
     from flows.generate import generate
 
     created = []
@@ -208,3 +208,27 @@ def test_the_demo_entry_point_prints_the_headline(tmp_path, tiny_model_dir, caps
     for title in ("Throughput", "Request latency", "KV cache", "Run conditions"):
         assert title in out
     assert "report: " in out and (tmp_path / "runs" / "demo" / "report" / "report.html").is_file()
+
+
+def test_a_flow_past_its_budget_stops_without_retrying_and_resumes(tmp_path, tiny_model_dir, monkeypatch):
+    """--max-hours in the flow: every shard task gets the run's one deadline; past it the task stops,
+    is not retried (a retry could only stop again), the flow fails with the line that says how far it
+    got, and the same run without the cap completes, every id once."""
+    import flows.generate as flows_generate
+    from batchgen import budget
+    from flows.generate import generate
+
+    calls = []
+    real = flows_generate.run_shard_in_worker
+
+    def counted(*a, **kw):
+        calls.append(a[2])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(flows_generate, "run_shard_in_worker", counted)
+    s = settings_for(tmp_path, tiny_model_dir, run_id="capped", max_hours=1e-9)  # spent before the first shard
+    with pytest.raises(budget.BudgetReached, match=r"--max-hours 1e-09\): 0 of 3 shards are committed \(0 of 8 rows\)"):
+        generate(s)
+    assert calls[0] == 0 and calls.count(0) == 1  # the task that hit the budget ran once: no retry
+    result = generate(s.model_copy(update={"max_hours": None}))
+    assert result["rows"] == 8 and ids_in(result["run_dir"]) == [f"f{i}" for i in range(8)]

@@ -19,15 +19,15 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
             "{% endif %}{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def thinking_model_dir(tmp_path_factory, real_model_dir):
+def build_thinking_model(dest, real_model_dir, hidden: int = 64):
+    """A random-init Llama with SmolLM2's tokenizer plus <think> and </think>, and TEMPLATE as its chat
+    template; `hidden` 256 gives vLLM's CPU attention the head size it takes (64)."""
     import shutil
 
     import torch
     from tokenizers import AddedToken, Tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    dest = tmp_path_factory.mktemp("thinking-llama")
     for name in TOKENIZER_FILES:
         if (real_model_dir / name).is_file():
             shutil.copy(real_model_dir / name, dest / name)
@@ -36,11 +36,16 @@ def thinking_model_dir(tmp_path_factory, real_model_dir):
     tok.save(str(dest / "tokenizer.json"))
     (dest / "chat_template.jinja").write_text(TEMPLATE)
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+    LlamaForCausalLM(LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=2 * hidden,
                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                  max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
                                  eos_token_id=2)).save_pretrained(dest)
     return dest
+
+
+@pytest.fixture(scope="module")
+def thinking_model_dir(tmp_path_factory, real_model_dir):
+    return build_thinking_model(tmp_path_factory.mktemp("thinking-llama"), real_model_dir)
 
 
 def run_rows(tmp_path, model, run_id, *extra) -> dict:
@@ -60,8 +65,9 @@ def test_the_budget_closes_the_thought_and_the_answer_follows(tmp_path, thinking
     for r in rows.values():
         ids = r["output_token_ids"]
         close = len(m.close_ids)
-        assert r["reasoning_cut"] and r["reasoning_tokens"] == 8 + m.close_ids.index(m.end_id) + 1  # through </think>
-        assert ids[8:8 + close] == list(m.close_ids)  # what the budget wrote, as the model would
+        start = 8 - (m.close_ids.index(m.end_id) + 1)  # the close ends its </think> on the budget's last token
+        assert r["reasoning_cut"] and r["reasoning_tokens"] == 8 and ids[7] == m.end_id
+        assert ids[start:start + close] == list(m.close_ids)  # what the budget wrote, as the model would
         assert r["output_tokens"] == 24 and r["reasoning"] and r["text"] == tok.decode(ids[r["reasoning_tokens"]:]).lstrip()
         assert "</think>" not in r["text"] and "</think>" not in r["reasoning"]
 
@@ -84,7 +90,7 @@ def test_a_model_without_think_markers_has_no_reasoning(tmp_path, tiny_model_dir
     assert all(r["reasoning"] is None and r["output_tokens"] == 24 for r in rows.values())
 
 
-def test_a_budget_per_row_wins_and_vllm_refuses_one_clearly(tmp_path, thinking_model_dir, capsys):
+def test_a_budget_per_row_wins(tmp_path, thinking_model_dir):
     inp = write_prompts(tmp_path / "in.parquet", ["q one", "q two"], ids=["a", "b"], max_reasoning_tokens=[4, None])
     assert main([*cli_args(inp, tmp_path / "runs", thinking_model_dir, "rows"), "--max-tokens", "24",
                  "--max-reasoning-tokens", "10", "--repetition-stop", "off"]) == 0
@@ -93,11 +99,34 @@ def test_a_budget_per_row_wins_and_vllm_refuses_one_clearly(tmp_path, thinking_m
 
     tok = Tokenizer(thinking_model_dir)
     m = markers_of(tok.template_source, tok.token_id, tok.encode)
-    through_end = m.close_ids.index(m.end_id) + 1
-    assert (rows["a"]["reasoning_tokens"], rows["b"]["reasoning_tokens"]) == (4 + through_end, 10 + through_end)
-    assert main([*cli_args(inp, tmp_path / "runs", thinking_model_dir, "v"), "--engine", "vllm",
-                 "--max-reasoning-tokens", "10"]) == 2
-    assert "a thinking budget runs on the native engine" in capsys.readouterr().err
+    assert (rows["a"]["reasoning_tokens"], rows["b"]["reasoning_tokens"]) == (4, 10)
+    assert rows["a"]["output_token_ids"][3] == m.end_id
+
+
+@pytest.mark.heavy  # starts vLLM
+def test_vllm_keeps_the_thought_apart_and_closes_it_at_its_budget(tmp_path, real_model_dir):
+    """The same split and budget under --engine vllm: vLLM's own thinking_token_budget (its
+    reasoning_config set from the markers) closes the thought; batchgen splits it as on the native engine."""
+    from conftest import skip_or_fail
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        skip_or_fail(f"vLLM does not import here: {e}", "BATCHGEN_REQUIRE_VLLM")
+    (tmp_path / "thinking-256").mkdir()
+    model = build_thinking_model(tmp_path / "thinking-256", real_model_dir, hidden=256)
+    rows = run_rows(tmp_path, model, "vllm", "--engine", "vllm", "--vllm-option", "enforce_eager=true",
+                    "--max-reasoning-tokens", "8")
+    from batchgen.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(model)
+    end = tok.token_id("</think>")
+    for r in rows.values():
+        ids = r["output_token_ids"]
+        assert ids.index(end) == 7  # closed where the budget ran out, as on the native engine
+        assert r["reasoning_tokens"] == 8 and r["reasoning_cut"]
+        assert r["reasoning"] is not None and "</think>" not in r["reasoning"]  # (a random model may write
+        assert r["text"] == tok.decode(ids[8:]).lstrip()  # more of them in its answer)
 
 
 def test_a_thought_closed_by_the_model_splits_there():

@@ -70,10 +70,11 @@ def one_run(inp: str, out: str, model: str, shard_size: int) -> dict:
     code = f"""
 import json, time
 import batchgen.runner as runner
+from batchgen.worker import Worker
 from batchgen.benchmarks.object_store import EchoEngine, peak_rss_mib
 from batchgen.config import RunConfig, SamplingParams
 from batchgen.model.tokenizer import Tokenizer
-worker = runner.Worker(create=lambda name, model_dir, *a, **kw: EchoEngine(Tokenizer(model_dir)))  # the double
+worker = Worker(create=lambda name, model_dir, *a, **kw: EchoEngine(Tokenizer(model_dir)))  # the double
 cfg = RunConfig(inputs=({inp!r},), output_dir={out!r}, model={model!r}, run_id="bench", shard_size={shard_size},
                 sampling=SamplingParams(max_tokens=1), progress=False)
 t0 = time.perf_counter()

@@ -20,8 +20,9 @@ import os
 import time
 from pathlib import Path
 
+from batchgen.engine.vllm import VLLM_CPU_BLOCK  # vLLM's KV is sized in its own blocks
+
 N_BATCH = 2048  # tokens per llama_decode call (prompts are fed in chunks of this many)
-VLLM_CPU_BLOCK_SIZE = 128  # positions per KV block of vLLM's CPU attention: its KV is sized in these
 # vLLM's own variable for where its CPU worker's OpenMP threads run: a list given reserves no core for its
 # scheduler; unset, vLLM reserves one core per worker and binds the model to the rest
 VLLM_BIND = "VLLM_CPU_OMP_THREADS_BIND"
@@ -55,8 +56,8 @@ def this_process_cores() -> str:
 def vllm_kv_bytes(prompt_lens: list[int], new_tokens: int, bytes_per_token: int) -> int:
     """KV for every row in flight at once, in vLLM's own CPU blocks (each row's prompt and output
     rounded up to whole 128-position blocks, plus one): vLLM never needs to preempt in a timed call."""
-    blocks = sum(math.ceil((n + new_tokens) / VLLM_CPU_BLOCK_SIZE) + 1 for n in prompt_lens)
-    return blocks * VLLM_CPU_BLOCK_SIZE * bytes_per_token
+    blocks = sum(math.ceil((n + new_tokens) / VLLM_CPU_BLOCK) + 1 for n in prompt_lens)
+    return blocks * VLLM_CPU_BLOCK * bytes_per_token
 
 
 @contextlib.contextmanager

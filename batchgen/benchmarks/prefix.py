@@ -67,7 +67,8 @@ def run_variant(rows: list[dict], out: Path, run_id: str, shard_by: str, admissi
     from batchgen.config import EngineConfig, RunConfig, SamplingParams
     from batchgen.data.order import lane_split
     from batchgen.report.queries import connect, run_query
-    from batchgen.runner import Worker, finalize, open_run, run_shard_in_worker
+    from batchgen.runner import finalize, open_run, run_shard_in_worker
+    from batchgen.worker import Worker
 
     inp = out / f"{run_id}.parquet"
     pq.write_table(pa.Table.from_pylist(rows), inp)

@@ -58,10 +58,9 @@ class ModelRunner:
         self.kv_bytes_per_token = c.kv_bytes_per_token(bpe)
         self.row_embed_bytes = c.hidden_size * bpe
         bs = config.block_size
-        block_bytes = PagedKVCache.block_bytes(c.num_layers, bs, c.num_kv_heads, c.head_dim, bpe)
-        pool_bytes = config.kv_pool_bytes(self.kv_bytes_per_token, free_memory_bytes(config.device))
-        most_useful = config.max_num_seqs * -(-self.max_model_len // bs)  # more could never be used at once
-        self.num_blocks = max(1, min(pool_bytes // block_bytes, most_useful))  # what the block manager hands out
+        # what the block manager hands out (EngineConfig.kv_blocks: the rule the vLLM engine sizes by too)
+        self.num_blocks = config.kv_blocks(self.kv_bytes_per_token, bs, self.max_model_len,
+                                           free_memory_bytes(config.device))
         # None without a cache: recompute the whole history every step (the lab's baseline)
         self.attention = select_backend(config.device, config.attention_backend) if config.enable_kv_cache else None
         graphs_mode = self._graphs_mode(config, self.attention)

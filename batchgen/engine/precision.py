@@ -31,7 +31,7 @@ BANDS = (1, 8, 64, 256)
 # batchgen's gemv, bfloat16 on batchgen's bgemm (resolve_invariant_dtype). The model's GGUF blocks on
 # qgemv, invariant too, are a weight format of their own, weighed against that dtype at max_num_seqs'
 # band (resolve_gguf): the conditions and the request keys name the weights, and a resume keeps the
-# first attempt's (batchgen.runner.weights_as_started). oneDNN's bf16/fp16
+# first attempt's (batchgen.worker.weights_as_started). oneDNN's bf16/fp16
 # (and fp32) GEMMs pick their blocking by the number of rows and threads: measured on a 2-core Xeon with AMX, a row of a bf16 [960 x 576] product
 # came out the same alone and among 1..32 rows, differed among 33..500, and agreed again at 512.
 INVARIANT_BATCH = 32

@@ -9,9 +9,10 @@ template names no known pair, or whose vocabulary lacks them as single tokens, h
 (its tokens counted with both markers), after it the answer. A row cut before its thought ended is
 all reasoning, with an empty answer.
 
-The budget (`max_reasoning_tokens`): once a row has thought that many tokens without closing, the
-thought is closed for it (a newline, the end marker, a blank line: what the model writes itself) and
-its answer begins, as vLLM's `thinking_token_budget` and llama.cpp's `--reasoning-budget` do.
+The budget (`max_reasoning_tokens`): a thought is at most that many tokens, its end marker included,
+as vLLM's `thinking_token_budget` counts them. Where a row would run past it, the thought is closed for
+it (on the native engine a newline and the end marker, then a blank line: what the model writes
+itself; vLLM writes the end marker) and its answer begins.
 """
 
 from __future__ import annotations
@@ -60,8 +61,13 @@ class Thought:
     budget: int | None = None
     tokens: int = 0  # of the thought so far, markers included
     closed_at: int | None = None  # output index just past the end marker
-    cut: bool = False  # the budget closed it
     forced: list[int] | None = None
+
+    @property
+    def cut(self) -> bool:
+        """The budget ended the thought: it reached the budget, end marker included."""
+        length = self.closed_at if self.closed_at is not None else self.tokens
+        return self.budget is not None and length >= self.budget
 
     def next_token(self, sampled: int) -> int:
         """The token the row takes: the sampled one, or the budget's next closing token."""
@@ -83,8 +89,9 @@ class Thought:
         if token == m.end_id:  # what the budget forces after the marker still follows
             self.thinking, self.closed_at = False, index + 1
             return
-        if self.budget is not None and self.tokens >= self.budget and self.forced is None:
-            self.forced, self.cut = list(m.close_ids), True
+        through_end = m.close_ids.index(m.end_id) + 1  # the close's tokens up to its end marker
+        if self.budget is not None and self.forced is None and self.tokens + through_end >= self.budget:
+            self.forced = list(m.close_ids)  # the end marker lands on the budget's last token
 
     def split(self, output_ids: list[int], decode) -> tuple[str | None, str, int]:
         """(reasoning text or None, answer text, reasoning tokens) of a finished row."""

@@ -176,8 +176,7 @@ def _logprobs(entry, tok: int, k: int | None) -> tuple[float | None, list[tuple[
     return chosen, [(tid, lp) for _, tid, lp in ranked[:k]]
 
 
-BUDGET_ON_VLLM = ("max_reasoning_tokens: a thinking budget runs on the native engine; under --engine vllm give vLLM's "
-                  "own reasoning options (--vllm-option reasoning_parser=...) and leave the budget empty")
+VLLM_CPU_BLOCK = 128  # positions in a block of vLLM's CPU KV cache
 
 
 class _Tracked:
@@ -249,7 +248,9 @@ class VllmEngine(Engine):
         explicit = config.kv_cache_memory is not None or config.kv_cache_tokens is not None
         if explicit or on_cpu:
             free = free_memory_bytes(config.device) if on_cpu else 0
-            options.setdefault("kv_cache_memory_bytes", config.kv_pool_bytes(self.kv_bytes_per_token, free))
+            block = VLLM_CPU_BLOCK if on_cpu else 16  # vLLM's own block sizes on CPU and CUDA
+            blocks = config.kv_blocks(self.kv_bytes_per_token, block, self.max_model_len, free)
+            options.setdefault("kv_cache_memory_bytes", blocks * block * self.kv_bytes_per_token)
         if config.kv_cache_memory_fraction is not None and not on_cpu:
             options.setdefault("gpu_memory_utilization", config.kv_cache_memory_fraction)
         elif on_cpu:
@@ -268,6 +269,11 @@ class VllmEngine(Engine):
             from vllm.config import StructuredOutputsConfig
 
             options["structured_outputs_config"] = StructuredOutputsConfig(**options["structured_outputs_config"])
+        if self.markers is not None and "reasoning_config" not in options:  # what thinking_token_budget needs
+            from vllm.config.reasoning import ReasoningConfig
+
+            options["reasoning_config"] = ReasoningConfig(reasoning_start_str=self.markers.start,
+                                                          reasoning_end_str=self.markers.end)
         self.lora_adapters = dict(lora_adapters or {})
         if self.lora_adapters:  # vLLM serves every adapter of the run, each row picks one
             options.setdefault("enable_lora", True)
@@ -304,8 +310,6 @@ class VllmEngine(Engine):
 
         if request_id in self._requests:
             raise RequestRejected(f"duplicate request id {request_id!r}")
-        if sampling.max_reasoning_tokens is not None:
-            raise RequestRejected(BUDGET_ON_VLLM)
         structured = None
         if sampling.structured:  # the same spec, through vLLM's own structured outputs
             from vllm.sampling_params import StructuredOutputsParams
@@ -318,7 +322,9 @@ class VllmEngine(Engine):
                                     top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
                                     stop=list(sampling.stop) or None, ignore_eos=sampling.ignore_eos,
                                     logprobs=sampling.logprobs, structured_outputs=structured,
-                                    output_kind=RequestOutputKind.DELTA, skip_special_tokens=True)
+                                    output_kind=RequestOutputKind.DELTA, skip_special_tokens=True,
+                                    # vLLM closes the thought itself (its reasoning_config, set from the markers)
+                                    thinking_token_budget=sampling.max_reasoning_tokens if self.markers else None)
         if self._core_dead():  # vLLM would block forever on a call to a dead core
             raise self._died("vLLM's engine core died; the shard fails and is redone on retry or resume")
         lora = None
@@ -337,7 +343,8 @@ class VllmEngine(Engine):
             if "Dead" in type(e).__name__:  # EngineDeadError: the shard fails and is retried, not a row error
                 raise
             raise RequestRejected(f"vllm rejected the request: {e}") from None
-        thought = Thought(self.markers, self.markers.in_thought_after(prompt_token_ids)) if self.markers else None
+        thought = (Thought(self.markers, self.markers.in_thought_after(prompt_token_ids), sampling.max_reasoning_tokens)
+                   if self.markers else None)  # only watched here: vLLM writes the close where the budget ends
         self._requests[request_id] = _Tracked(len(prompt_token_ids), enqueue_t, sampling.logprobs,
                                               sampling.stops_loops, thought)
 
@@ -436,7 +443,7 @@ class VllmEngine(Engine):
                     min(tracked.schedule_t, tracked.first_token_t or end_t), tracked.first_token_t or end_t,
                     tracked.last_token_t or end_t, num_cached_tokens=getattr(out, "num_cached_tokens", None),
                     reasoning=reasoning, reasoning_tokens=n if reasoning is not None else None,
-                    reasoning_cut=False if reasoning is not None else None))
+                    reasoning_cut=thought.cut if reasoning is not None else None))
         if looped:
             self.engine.abort_request(looped)
         num_tokens = len(res.token_request_ids)
