@@ -235,7 +235,16 @@ def build_parser(with_commands: bool = False):
     rep.add_argument("--memory-limit", help="DuckDB memory limit, e.g. 4GB")
     rep.add_argument("--price-per-hour", type=float, metavar="PRICE",
                      help="what the machine costs per hour (any currency): adds cost per million output tokens")
-    bench = sub.add_parser("bench", help="engines side by side on the held prompts, in one run (the judge)")
+    from batchgen.benchmarks import programs
+
+    listed = "\n".join(f"  {name:<14} {line}" for name, line in programs().items())
+    bench = sub.add_parser("bench", help="engines side by side on the held prompts; `bench NAME`: any benchmark",
+                           usage="batchgen bench [--engines ...] [options]\n       batchgen bench NAME [its own options]",
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description="Without a NAME: the engines side by side on the held prompts, in one run "
+                                       "(what the judge runs). With one: that benchmark, with its own options "
+                                       "(batchgen bench NAME --help).",
+                           epilog=f"benchmarks (batchgen bench NAME):\n{listed}")
     bench.add_argument("--engines", default="native,vllm,hf,llama.cpp,vllm-generate",
                        help="comma-separated: native, vllm (through batchgen), hf (the naive baseline), and the outside "
                             "peers llama.cpp (llama-cpp-python on the model's GGUF) and vllm-generate (vLLM's own "
@@ -279,6 +288,16 @@ def build_parser(with_commands: bool = False):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) >= 2 and argv[0] == "bench" and not argv[1].startswith("-"):  # `batchgen bench NAME ...`
+        from batchgen.benchmarks import run
+
+        cap_cpu_libraries()
+        try:
+            return run(argv[1], argv[2:])
+        except ValueError as e:
+            print(f"batchgen bench: error: {e}", file=sys.stderr)
+            return 2
     args = parse(argv)
     cap_cpu_libraries()  # before any matmul: oneDNN and MKL read their caps once
     handler = {"generate": cmd_generate, "estimate": cmd_estimate, "report": cmd_report, "bench": cmd_bench,
