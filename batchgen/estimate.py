@@ -65,18 +65,15 @@ def _hms(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
 
 
-def rates_of_steps(steps: list[StepResult] | list[dict]) -> tuple[float, float]:
-    """(prompt tok/s over the steps that prefill, output tok/s over the steps that only decode)."""
-    def get(s, name):
-        return s[name] if isinstance(s, dict) else getattr(s, name)
-
+def rates_of_steps(steps) -> tuple[float, float]:
+    """(prompt tok/s over the steps that prefill, output tok/s over the steps that only decode), from
+    (start_t, end_t, num_prefill_tokens, num_decode_tokens) a step."""
     pre_t = pre_n = dec_t = dec_n = 0.0
-    for s in steps:
-        dt = get(s, "end_t") - get(s, "start_t")
-        if get(s, "num_prefill_tokens"):
-            pre_t, pre_n = pre_t + dt, pre_n + get(s, "num_prefill_tokens")
-        elif get(s, "num_decode_tokens"):
-            dec_t, dec_n = dec_t + dt, dec_n + get(s, "num_decode_tokens")
+    for start_t, end_t, prefill, decode in steps:
+        if prefill:
+            pre_t, pre_n = pre_t + end_t - start_t, pre_n + prefill
+        elif decode:
+            dec_t, dec_n = dec_t + end_t - start_t, dec_n + decode
     return (pre_n / pre_t if pre_t else 0.0), (dec_n / dec_t if dec_t else 0.0)
 
 
@@ -100,7 +97,8 @@ def probe(engine: Engine, rows: list, tokens: int) -> tuple[float, float, float,
     warm = time.perf_counter() - t0
     if hasattr(engine, "reset_prefix_cache"):
         engine.reset_prefix_cache()  # the measured pass computes its prompts, as the run does once
-    pre, dec = rates_of_steps(_run(engine, rows, tokens, "probe"))
+    pre, dec = rates_of_steps((s.start_t, s.end_t, s.num_prefill_tokens, s.num_decode_tokens)
+                              for s in _run(engine, rows, tokens, "probe"))
     startup = max(0.0, warm - sum(len(p.prompt_token_ids) for p in rows) / pre) if pre else warm
     return pre, dec, startup, (f"a probe of {len(rows)} of the input's rows at once, {tokens} tokens each, at the "
                                f"run's settings")
@@ -112,8 +110,7 @@ def history(runs: list[str]) -> dict[str, float]:
 
     con = connect(runs)
     ((mean_out, n),) = con.sql("select avg(output_tokens), count(*) from generated").fetchall()
-    steps = con.sql("select start_t, end_t, num_prefill_tokens, num_decode_tokens from steps").to_arrow_table()
-    pre, dec = rates_of_steps(steps.to_pylist())
+    pre, dec = rates_of_steps(con.sql("select start_t, end_t, num_prefill_tokens, num_decode_tokens from steps").fetchall())
     return {"mean_output_tokens": mean_out or 0.0, "rows": n, "prefill_tok_per_s": pre, "decode_tok_per_s": dec}
 
 
@@ -137,9 +134,7 @@ def estimate(cfg: RunConfig, history_runs: tuple[str, ...] = (), probe_tokens: i
                                        lora_adapters=dict(cfg.lora_adapters))
     est = Estimate(load_s=time.perf_counter() - t0, price_per_hour=cfg.price_per_hour, conditions=engine.conditions())
     try:
-        processor = InputProcessor(engine.tokenizer, engine.max_model_len, cfg.sampling, cfg.too_long,
-                                   cfg.engine_config.seed, dict(cfg.chat_template_kwargs), cfg.n,
-                                   tuple(name for name, _ in cfg.lora_adapters), cfg.prompt_format)
+        processor = InputProcessor.for_run(cfg, engine.tokenizer, engine.max_model_len)
         numerics_ = numerics(model_fingerprint(model_dir), est.conditions, engine.max_model_len)
         reuse = ReuseIndex(list(cfg.reuse_from)) if cfg.reuse_from and numerics_ else None
         past = history(list(history_runs)) if history_runs else None

@@ -74,13 +74,13 @@ def check_error_rate(cfg: RunConfig, rows: int, errors: int, reasons: "collectio
 
 def output_health(requests: pa.Table, prompt_of: dict[str, int]) -> dict[str, int]:
     """A shard's outputs with no text, the most distinct prompts that got one same text (the run's end
-    warns; rows that repeat a prompt may repeat its answer), and the rows stopped in a loop. `prompt_of`: request id -> its prompt's
-    hash, for the rows generated here."""
+    warns; rows that repeat a prompt may repeat its answer), and the rows stopped in a loop. `prompt_of`:
+    request id -> its prompt's hash, for the rows generated here."""
     texts: dict[str, set[int]] = {}
-    for rid, text in zip(requests.column("id").to_pylist(), requests.column("text").to_pylist()):
+    looped = 0
+    for rid, text, reason in zip(*(requests.column(c).to_pylist() for c in ("id", "text", "finish_reason"))):
         if rid in prompt_of:
             texts.setdefault(text, set()).add(prompt_of[rid])
-    looped = sum(1 for rid, reason in zip(requests.column("id").to_pylist(), requests.column("finish_reason").to_pylist())
-                 if rid in prompt_of and reason == "repetition")
+            looped += reason == "repetition"
     return {"empty_outputs": len(texts.get("", ())),
             "most_common_output": max((len(p) for t, p in texts.items() if t), default=0), "looped_outputs": looped}

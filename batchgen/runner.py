@@ -140,9 +140,7 @@ def run_shard(cfg: RunConfig, run: RunDir, dataset: PromptDataset, engine: Engin
         engine.clock = RunClock(doc["run_start_wall"])
         # what decides a row's tokens on this engine, or None where it is not batch-invariant (no keys)
         numerics_ = numerics(doc["identity"]["model_fingerprint"], engine.conditions(), engine.max_model_len)
-        processor = InputProcessor(engine.tokenizer, engine.max_model_len, cfg.sampling, cfg.too_long,
-                                   cfg.engine_config.seed, dict(cfg.chat_template_kwargs), cfg.n,
-                                   tuple(name for name, _ in cfg.lora_adapters), cfg.prompt_format)
+        processor = InputProcessor.for_run(cfg, engine.tokenizer, engine.max_model_len)
         writer = ShardWriter(pa.schema([dataset.schema.field(c) for c in cfg.keep_columns]))
         prepared, prompt_of = [], {}
         for row in shard.rows():

@@ -65,7 +65,7 @@ def test_the_budget_closes_the_thought_and_the_answer_follows(tmp_path, thinking
     for r in rows.values():
         ids = r["output_token_ids"]
         close = len(m.close_ids)
-        start = 8 - (m.close_ids.index(m.end_id) + 1)  # the close ends its </think> on the budget's last token
+        start = 8 - m.close_to_end  # the close ends its </think> on the budget's last token
         assert r["reasoning_cut"] and r["reasoning_tokens"] == 8 and ids[7] == m.end_id
         assert ids[start:start + close] == list(m.close_ids)  # what the budget wrote, as the model would
         assert r["output_tokens"] == 24 and r["reasoning"] and r["text"] == tok.decode(ids[r["reasoning_tokens"]:]).lstrip()

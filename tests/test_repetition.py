@@ -103,3 +103,30 @@ def test_the_real_model_stops_a_looping_row_and_leaves_the_others(tmp_path, real
 def test_ignore_eos_asks_for_every_token():
     assert SamplingParams().stops_loops and not SamplingParams(ignore_eos=True).stops_loops
     assert not SamplingParams(repetition_stop="off").stops_loops
+
+
+def reference_looping(tokens) -> int:
+    """The rule read literally: every pattern length, every position of its span."""
+    n = len(tokens)
+    for length in range(1, 65):
+        span = length * repeats_needed(length)
+        if span <= n and all(tokens[i] == tokens[i - length] for i in range(n - span + length, n)):
+            return length
+    return 0
+
+
+def test_the_fast_check_is_the_rule():
+    """`looping` tries only the lengths the last token allows (it runs after every token of every row);
+    on loops, near-loops and text it gives what the rule read literally gives."""
+    rng = random.Random(2)
+    fired = 0
+    for trial in range(600):
+        if trial % 2:
+            pattern = [rng.randrange(40) for _ in range(rng.randrange(1, 70))]
+            tokens = [rng.randrange(40) for _ in range(rng.randrange(40))] + pattern * rng.randrange(1, 10)
+        else:
+            tokens = [rng.randrange(5) for _ in range(rng.randrange(1, 260))]
+        for n in range(1, len(tokens) + 1, 5):
+            assert looping(tokens[:n]) == reference_looping(tokens[:n])
+            fired += reference_looping(tokens[:n]) > 0
+    assert fired > 100  # the comparison covered loops, not only their absence

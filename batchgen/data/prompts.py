@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from batchgen.config import ConfigError, SamplingParams, derive_seed
+from batchgen.config import ConfigError, RunConfig, SamplingParams, derive_seed
 from batchgen.data.reader import InvalidValue
 from batchgen.data.response_format import normalise_response_format
 
@@ -145,6 +145,13 @@ class InputProcessor:
         self.n = n
         self.lora_names = lora_names
         self.prompt_format = prompt_format  # chat | raw | auto (RunConfig.prompt_format)
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, tokenizer, max_model_len: int) -> InputProcessor:
+        """The processor a run's rows go through (the runner's, and `batchgen estimate`'s count of them)."""
+        return cls(tokenizer, max_model_len, cfg.sampling, cfg.too_long, cfg.engine_config.seed,
+                   dict(cfg.chat_template_kwargs), cfg.n, tuple(name for name, _ in cfg.lora_adapters),
+                   cfg.prompt_format)
 
     def process(self, row: dict[str, Any]) -> PreparedRow | RowError:
         rid = row["id"]

@@ -30,6 +30,11 @@ class ThinkMarkers:
     end_id: int
     close_ids: tuple[int, ...]  # what the budget writes to close a thought
 
+    @property
+    def close_to_end(self) -> int:
+        """The close's tokens up to and with its end marker."""
+        return self.close_ids.index(self.end_id) + 1
+
     def in_thought_after(self, prompt_ids: list[int]) -> bool:
         """Whether the prompt leaves the model inside a thought (a template that opens it)."""
         last = {self.start_id: -1, self.end_id: -1}
@@ -89,16 +94,13 @@ class Thought:
         if token == m.end_id:  # what the budget forces after the marker still follows
             self.thinking, self.closed_at = False, index + 1
             return
-        through_end = m.close_ids.index(m.end_id) + 1  # the close's tokens up to its end marker
-        if self.budget is not None and self.forced is None and self.tokens + through_end >= self.budget:
+        if self.budget is not None and self.forced is None and self.tokens + m.close_to_end >= self.budget:
             self.forced = list(m.close_ids)  # the end marker lands on the budget's last token
 
     def split(self, output_ids: list[int], decode) -> tuple[str | None, str, int]:
         """(reasoning text or None, answer text, reasoning tokens) of a finished row."""
         m = self.markers
-        if self.closed_at is None and not self.thinking:
-            return None, decode(output_ids), 0
-        if self.closed_at == 0:  # no thought: the row's first token was already answer
+        if not self.thinking and not self.closed_at:  # no thought: answer from the first token (or none)
             return None, decode(output_ids), 0
         end = self.closed_at if self.closed_at is not None else len(output_ids)
         body = [t for t in output_ids[:end] if t not in (m.start_id, m.end_id)]

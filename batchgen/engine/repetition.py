@@ -23,15 +23,27 @@ def repeats_needed(length: int) -> int:
     return max(MIN_REPEATS, -(-MIN_SPAN // length))
 
 
+SPANS = (0,) + tuple(length * repeats_needed(length) for length in range(1, MAX_PATTERN + 1))  # by length
+SHORTEST = min(SPANS[1:])  # no tail shorter than this can loop
+
+
 def looping(tokens: Sequence[int]) -> int:
     """The length of the shortest pattern whose repeats fill the tail of `tokens` as the rule asks, or
-    0. Cheap where there is no loop: each length is dropped at its first mismatch, mostly the first."""
+    0. It runs after every token of every row, so it asks little of a row that is not looping: a
+    pattern of length L needs the last token to have come L tokens before, so only the places where
+    it came in the MAX_PATTERN tokens before it are tried, each as one slice comparison."""
     n = len(tokens)
-    for length in range(1, MAX_PATTERN + 1):
-        span = length * repeats_needed(length)
-        if span > n:
-            continue  # a longer pattern may still fit: spans are not monotone in the length
+    if n < SHORTEST:
+        return 0
+    last = tokens[-1]
+    before = tokens[max(0, n - 1 - MAX_PATTERN):n - 1][::-1]  # the tokens before the last, nearest first
+    k = -1
+    while True:  # each earlier place of the last token, nearest first: a pattern length to try
+        try:
+            k = before.index(last, k + 1)
+        except ValueError:
+            return 0
+        length, span = k + 1, SPANS[k + 1]
         # periodic with period `length` over the last `span` tokens: t[i] == t[i - length]
-        if all(tokens[i] == tokens[i - length] for i in range(n - 1, n - span + length - 1, -1)):
+        if span <= n and tokens[n - span + length:] == tokens[n - span:n - length]:
             return length
-    return 0
