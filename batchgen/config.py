@@ -38,7 +38,7 @@ def cpu_capability() -> str | None:
 
 # the same cap for the math libraries beneath PyTorch, which read their own variables once, at first use:
 # oneDNN (bf16 and many fp32 matmuls) and MKL (BLAS). Left alone, a process capped to avx2 still ran bf16
-# matmuls on AVX512_BF16 through oneDNN (408 GFLOP/s on a Zen 4; with oneDNN capped, an AVX2 CPU's crawl)
+# matmuls on AVX512_BF16 through oneDNN, so the capped figure was not the capped CPU's
 LIBRARY_VARS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 LIBRARY_CAPS = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
                 "default": {"ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}}
@@ -79,6 +79,9 @@ SAMPLER_KERNELS = ("auto", "fused", "torch")
 # ship, in batchgen's qgemv kernel with float32 activations)
 QUANTIZATIONS = ("none", "int4", "gguf")
 MAX_LOGPROBS = 20  # top alternatives per token, as the OpenAI API allows
+# a seed is a signed 64-bit value (what every engine and the sampler's hash take); counts fit in 32 bits
+SEED_RANGE = (-(2**63), 2**63 - 1)
+COUNT_MAX = 2**31 - 1
 
 
 class ConfigError(ValueError):
@@ -220,6 +223,12 @@ def setting(default: Any = MISSING, *, title: str, help: str = "", factory: Any 
     return field(default=default, default_factory=factory, metadata={k: v for k, v in meta.items() if v is not None})
 
 
+def int_range(cls: type, name: str) -> tuple[int, int]:
+    """The [low, high] an integer setting of dataclass `cls` may hold, from its `setting` bounds."""
+    md = next(f.metadata for f in fields(cls) if f.name == name)
+    return int(md.get("ge", md.get("gt", -(2**63) - 1) + 1)), int(md.get("le", 2**63 - 1))
+
+
 def check_fields(obj: Any) -> None:
     """Every field's type, bounds, choices and pattern, from its `setting` metadata (None passes where
     the field is optional)."""
@@ -249,15 +258,15 @@ def check_fields(obj: Any) -> None:
 class SamplingParams:
     """Per-request decoding parameters. temperature 0 means greedy."""
 
-    max_tokens: int = setting(128, ge=1, title="Max new tokens per row (a row's max_tokens column wins)",
+    max_tokens: int = setting(128, ge=1, le=COUNT_MAX, title="Max new tokens per row (a row's max_tokens column wins)",
                               help="generation stops at this many tokens unless EOS or a stop string comes first")
     temperature: float = setting(0.0, ge=0, title="Temperature (0 = greedy)",
                                  help="0 picks the most likely token; above 0 samples, with each row's own seed "
                                       "(a row's temperature column wins)")
     top_p: float = setting(1.0, gt=0, le=1, title="Top-p",
                            help="sample from the smallest set of tokens holding this probability; 1: off")
-    top_k: int = setting(0, ge=0, title="Top-k (0 = off)", help="sample from the k most likely tokens only")
-    seed: int | None = setting(None, title="Request seed", help="None: derived from the run seed and the row's id")
+    top_k: int = setting(0, ge=0, le=COUNT_MAX, title="Top-k (0 = off)", help="sample from the k most likely tokens only")
+    seed: int | None = setting(None, ge=SEED_RANGE[0], le=SEED_RANGE[1], title="Request seed", help="None: derived from the run seed and the row's id")
     stop: tuple[str, ...] = setting((), title="Stop strings",
                                     help="generation ends before any of these (a row's stop column wins)")
     ignore_eos: bool = setting(False, title="Ignore EOS",
@@ -270,7 +279,7 @@ class SamplingParams:
                                         "last 64+ tokens (finish_reason repetition; batchgen.engine.repetition); "
                                         "never with ignore_eos")
     max_reasoning_tokens: int | None = setting(
-        None, ge=1, title="Max reasoning tokens (a thinking model's budget)",
+        None, ge=1, le=COUNT_MAX, title="Max reasoning tokens (a thinking model's budget)",
         help="a thought is at most this many tokens, its end marker included: a row that would think longer "
              "has its thought closed and its answer begun (a row's max_reasoning_tokens column wins); "
              "empty: no budget")
@@ -334,9 +343,9 @@ class EngineConfig:
                                           help="decode tokens plus chunks of prompts, in one forward pass")
     dtype: str = setting("auto", choices=("auto",) + DTYPES, title="Dtype",
                          help="auto: the weights measured fastest on this machine (native engine; vLLM applies its own auto "
-                              "rule): with batch_invariant on, the dense dtype among the batch-invariant kernels for "
-                              "the machine alone; off, among all, for the batch band of max_num_seqs; then the "
-                              "model's own GGUF blocks where they are faster at max_num_seqs' band")
+                              "rule), the model's own GGUF blocks among them: batch-invariant, among the invariant "
+                              "kernels for the machine alone (every max_num_seqs takes the same); with "
+                              "batch_invariant off, among all, for the batch band of max_num_seqs")
     device: str = setting("cpu", pattern=r"cpu|cuda(:\d+)?", title="Device", help="cpu, cuda or cuda:N")
     enable_kv_cache: bool = True  # False recomputes the whole history every step (the lab)
     attention_backend: str = setting(
@@ -385,14 +394,15 @@ class EngineConfig:
              "fifo: first come, first served. Each is bounded: no row is passed over more than 4 x max_num_seqs "
              "times")
     batch_invariant: str = setting(
-        "on", choices=("on", "off"), title="Batch-invariant outputs (native engine, CPU)",
-        help="on: a row's tokens do not depend on the rows beside it, max_num_seqs, chunking or a resume, for the "
-             "weights the run takes (dtype auto picks among kernels that sum each row in a fixed order: float32 on "
-             "batchgen's gemv or bf16 on its bgemm by the machine alone, and the model's GGUF blocks on qgemv where "
-             "they measure faster at max_num_seqs' band; a resume keeps the run's first weights); off: the fastest kernels for the batch band of "
-             "max_num_seqs (e.g. bf16 on oneDNN), whose sums depend on the batch. The run's conditions say "
-             "which held")
-    seed: int = setting(0, title="Run seed", help="rows without a seed column derive theirs from it and their id")
+        "auto", choices=("auto", "on", "off"), title="Batch-invariant outputs",
+        help="on: a row's tokens do not depend on the rows beside it, max_num_seqs, chunking or a resume: the "
+             "weights are chosen by the machine alone (dtype auto among kernels that sum each row in a fixed "
+             "order: float32 on batchgen's gemv, bf16 on its bgemm, the model's GGUF blocks on qgemv), and a "
+             "run that cannot have it here (another kernel asked for or not built, CUDA, vLLM on CPU) is refused "
+             "before it starts; auto (default): on where it can be, else off, said on stderr before the run; "
+             "off: the fastest kernels for the batch band of max_num_seqs (e.g. bf16 on oneDNN), whose sums "
+             "depend on the batch. The run's conditions hold the plan")
+    seed: int = setting(0, ge=SEED_RANGE[0], le=SEED_RANGE[1], title="Run seed", help="rows without a seed column derive theirs from it and their id")
 
     def __post_init__(self) -> None:
         check_fields(self)

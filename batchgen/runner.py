@@ -34,7 +34,7 @@ from batchgen.data.reuse import ReuseIndex, find_runs, numerics, request_key
 from batchgen.data.run import IDENTITY_DEFAULTS, RunDir, new_run_id
 from batchgen.data.writer import SCHEMAS, ShardWriter
 from batchgen.engine import Engine, EngineDead, RequestRejected
-from batchgen.engine.precision import can_be_batch_invariant
+from batchgen.engine.resolve import can_be_batch_invariant, check_invariance_possible
 from batchgen.faults import Faults
 from batchgen.metrics.clock import RunClock
 from batchgen.metrics.conditions import model_fingerprint, software
@@ -71,9 +71,11 @@ def run_identity(cfg: RunConfig, model_dir: Path, input_fingerprint: str, shard_
     invariance on, the settings that only shape batches are left out (BATCH_SHAPE_SETTINGS).
     `shard_by`: the order the shards were cut in ('prefix' or 'order', --shard-by auto resolved)."""
     engine_config = asdict(cfg.engine_config)
-    if cfg.engine == "native" and can_be_batch_invariant(cfg.engine_config):
+    if cfg.engine == "native" and can_be_batch_invariant(cfg.engine, cfg.engine_config):
         for name in BATCH_SHAPE_SETTINGS:
             engine_config.pop(name)
+        # auto and on make the same run where it can be batch-invariant (elsewhere on is refused)
+        engine_config["batch_invariant"] = "on"
     identity = {"engine": cfg.engine, "model_fingerprint": model_fingerprint(model_dir),
                 "engine_config": engine_config, "sampling": cfg.sampling.record(),
                 "engine_options": [list(p) for p in cfg.engine_options], "input_fingerprint": input_fingerprint,
@@ -86,6 +88,7 @@ def run_identity(cfg: RunConfig, model_dir: Path, input_fingerprint: str, shard_
 
 def open_run(cfg: RunConfig, faults: Faults | None = None) -> OpenRun:
     """Validate the whole input, then create or resume the run directory and take its lock."""
+    check_invariance_possible(cfg.engine, cfg.engine_config)  # `--batch-invariant on` where it cannot be
     dataset = PromptDataset(cfg.inputs, cfg.keep_columns)  # whole-input errors stop us here, before any work
     clash = sorted(set(cfg.keep_columns) & set(SCHEMAS["requests"].names + SCHEMAS["errors"].names))
     if clash:

@@ -1,5 +1,5 @@
 """A process's worker: the engine it keeps loaded across shards and runs, the attempt it records into
-per run, and the weights a run's first attempt took. The CLI makes one per run; a Prefect or Ray worker
+per run, and the plan a run's first attempt took. The CLI makes one per run; a Prefect or Ray worker
 process keeps one for its lifetime (flows/generate.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -15,6 +14,8 @@ from batchgen.config import RunConfig
 from batchgen.data.reuse import ReuseIndex
 from batchgen.data.run import RunDir
 from batchgen.engine import Engine, create_engine
+from batchgen.engine.plan import EnginePlan
+from batchgen.engine.resolve import plan_engine
 from batchgen.faults import Faults
 from batchgen.metrics.conditions import hardware, software
 
@@ -45,7 +46,7 @@ class Worker:
         self._engine_key: tuple | None = None
         self.attempts: dict[str, str | None] = {}  # run path -> this process's attempt file in it
         self._reuse: tuple[tuple, ReuseIndex] | None = None  # the index of the run's --reuse-from runs
-        self.pinned: dict[str, RunConfig] = {}  # run path -> its config with the weights it started with
+        self.started: dict[str, EnginePlan | None] = {}  # run path -> the plan its first attempt recorded
 
     def reuse_index(self, cfg: RunConfig, run_path: str) -> ReuseIndex | None:
         """The request keys of the run's --reuse-from runs (built once per run in this process), or None."""
@@ -66,19 +67,27 @@ class Worker:
             self._reuse = None
 
     def load_engine(self, cfg: RunConfig, model_dir: Path, run: RunDir | None = None) -> Engine:
-        """The engine for `cfg`; in `run`, with the weights its first attempt took (weights_as_started,
-        read once per run in this process: a worker's later shards keep what its first one took)."""
+        """The engine for `cfg`, loaded by its plan (batchgen.engine.resolve.plan_engine). In `run`, the
+        plan its first attempt recorded pins `--dtype auto` to the weights it took (read once per run in
+        this process). A plan that is not batch-invariant under `--batch-invariant auto` says so here,
+        before the engine loads."""
+        started = None
         if run is not None:
-            if str(run.path) not in self.pinned:
-                self.pinned[str(run.path)] = weights_as_started(cfg, run)
-            cfg = self.pinned[str(run.path)]
+            if str(run.path) not in self.started:
+                self.started[str(run.path)] = plan_as_started(run)
+            started = self.started[str(run.path)]
         key = (cfg.engine, str(model_dir), cfg.engine_config,
-               json.dumps(cfg.engine_options, sort_keys=True, default=str), cfg.lora_adapters)
+               json.dumps(cfg.engine_options, sort_keys=True, default=str), cfg.lora_adapters, started)
         if self.engine is None or key != self._engine_key:
             if self.engine is not None:
                 self.drop_engine(self.engine)  # one model on the device at a time
+            plan = plan_engine(cfg.engine, model_dir, cfg.engine_config, dict(cfg.engine_options), started)
+            if not plan.batch_invariant and cfg.engine_config.batch_invariant == "auto":
+                say(f"not batch-invariant: {plan.why['batch_invariant']}. A row's tokens may depend on the rows "
+                    f"beside it and on max_num_seqs, and no request keys are written (--reuse-from cannot copy "
+                    f"these rows); --batch-invariant on refuses such a run")
             self.engine = self.create(cfg.engine, model_dir, cfg.engine_config, options=dict(cfg.engine_options),
-                                        lora_adapters=dict(cfg.lora_adapters), faults=self.faults)
+                                      lora_adapters=dict(cfg.lora_adapters), faults=self.faults, plan=plan)
             self._engine_key = key
         return self.engine
 
@@ -101,21 +110,11 @@ class Worker:
             run.attempt_file = self.attempts[str(run.path)]
 
 
-def weights_as_started(cfg: RunConfig, run: RunDir) -> RunConfig:
-    """`cfg` with `--dtype auto` pinned to the weights the run's first attempt took, where that attempt
-    was batch-invariant: auto takes the model's GGUF blocks by max_num_seqs's batch band, and a resume
-    may change max_num_seqs (BATCH_SHAPE_SETTINGS) without changing a token."""
-    ec = cfg.engine_config
-    if cfg.engine != "native" or ec.dtype != "auto" or ec.quantization != "none" or ec.batch_invariant != "on":
-        return cfg
+def plan_as_started(run: RunDir) -> EnginePlan | None:
+    """The plan the run's first attempt recorded (its engine conditions' `plan`), or None: a fresh run,
+    or one recorded before plans were."""
     first = next((a["conditions"]["engine"] for a in run.attempts() if "engine" in a.get("conditions", {})), None)
-    if first is None or not str(first.get("batch_invariant", "")).startswith("on"):
-        return cfg
-    gguf = str(first.get("quantization") or "").startswith("gguf")
-    pinned = replace(ec, quantization="gguf") if gguf else replace(ec, dtype=first["dtype"])
-    took = "the GGUF blocks" if gguf else first["dtype"]
-    say(f"--dtype auto: the weights an earlier attempt of this run took: {took}")
-    return replace(cfg, engine_config=pinned)
+    return EnginePlan.from_fields(first["plan"]) if first and "plan" in first else None
 
 
 def run_conditions(cfg: RunConfig, engine: Engine, probe: bool = True) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Batch invariance (EngineConfig.batch_invariant, on by default): a row's tokens do not depend on
 max_num_seqs, the rows beside it, chunked prefill, prefix-cache hits or preemption. Checked on the real
 model, greedy and seeded sampling side by side, in each weight format `--dtype auto` can choose on a
-CPU (float32 on gemv, the model's GGUF blocks), and off where asked."""
+CPU (float32 on gemv, the model's GGUF blocks), and off where asked; the plan that decides it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from batchgen import kernels
 from batchgen.model import bgemm, ggml, gemv
 from batchgen.config import EngineConfig
 from batchgen.engine.native import NativeEngine
+from batchgen.engine.plan import INVARIANT_MATMULS, EnginePlan, PlanError
 from conftest import TEST_DATA
 
 GEMV = gemv.load()
@@ -92,14 +93,15 @@ def test_float32_rows_do_not_depend_on_the_batch(real_model_dir):
     outs, conds = run_shapes(real_model_dir, dtype="float32")
     assert_invariant(outs)
     for c in conds.values():
-        assert c["batch_invariant"].startswith("on:") and "gemv" in c["weight_layout"], c
+        assert c["plan"]["batch_invariant"] and c["plan"]["matmul"] == "gemv" and "gemv" in c["weight_layout"], c
 
 
 @needs_qgemv
 def test_gguf_blocks_rows_do_not_depend_on_the_batch(real_model_dir):
     outs, conds = run_shapes(real_model_dir, quantization="gguf")
     assert_invariant(outs)
-    assert all(c["batch_invariant"].startswith("on: GGUF blocks") for c in conds.values())
+    assert all(c["plan"]["batch_invariant"] and c["plan"]["matmul"] == "qgemv" for c in conds.values())
+    assert all(c["batch_invariant"].startswith("on: GGUF blocks") for c in conds.values())  # the prose says so
 
 
 @pytest.mark.needs(f"bgemm kernel unavailable: {BGEMM}" if BGEMM and "avx512_bf16" not in kernels._cpu_flags()
@@ -131,35 +133,32 @@ def test_bfloat16_rows_do_not_depend_on_the_batch_compiled_or_not(real_model_dir
     # `--dtype auto` with speculation keeps bf16 where it is the machine's invariant choice
     _, c = engine_tokens(real_model_dir, prompts()[:1], speculative_ngram=3)
     _, plain = engine_tokens(real_model_dir, prompts()[:1])
-    assert c["batch_invariant"].startswith("on:") and c["dtype"] == plain["dtype"], (c["batch_invariant"], plain["dtype"])
+    assert c["plan"]["batch_invariant"] and c["dtype"] == plain["dtype"], (c["batch_invariant"], plain["dtype"])
 
 
 @needs_gemv
-def test_auto_chooses_the_dense_dtype_by_the_machine_and_the_gguf_blocks_by_band(real_model_dir):
-    """With batch invariance on (the default), `--dtype auto` takes one dense dtype at every
-    max_num_seqs (by the machine), and the model's GGUF blocks, a weight format of their own, only by
-    max_num_seqs's band (where they measure faster: decode's narrow bands). Every choice is invariant
-    and says why."""
-    dense, blocks = set(), set()
-    for mns in (1, 7, 256):
-        _, c = engine_tokens(real_model_dir, prompts()[:1], max_num_seqs=mns)
-        assert c["batch_invariant"].startswith("on:"), c["batch_invariant"]
-        if c["quantization"]:
-            assert c["quantization"].startswith("gguf blocks") and c["dtype"] == "float32", c
-            blocks.add(mns)
-            dense.add(c["dtype_choice"].split("; dense: ")[1].split(",")[0])  # "...; dense: bfloat16, auto..."
-        else:
-            assert "GGUF blocks not taken" in c["dtype_choice"], c["dtype_choice"]
-            dense.add(c["dtype"])
-    assert len(dense) == 1, dense
-    assert 256 not in blocks  # the widest band: dense GEMMs reuse each weight across the rows
+def test_default_flags_give_the_same_rows_at_every_max_num_seqs(real_model_dir):
+    """The plan (`--dtype auto`, the kernels, invariance) depends on the settings and the machine,
+    never on the run's own max_num_seqs: with default flags, batches of 1, 7 and 32 take one plan and
+    give the same rows the same tokens, greedy and sampled. The plan's `why` is prose for people."""
+    outs, plans = {}, []
+    for mns in (1, 7, 32):
+        outs[f"max_num_seqs={mns}"], c = engine_tokens(real_model_dir, prompts(), max_num_seqs=mns)
+        plans.append(EnginePlan.from_fields(c["plan"]))
+    assert plans[0].batch_invariant and plans[0].matmul in INVARIANT_MATMULS, plans[0]
+    assert plans.count(plans[0]) == 3, plans  # the same dtype, weights, kernels (their `why` aside)
+    assert_invariant(outs)
 
 
-def test_a_kernel_that_sums_by_the_batch_says_invariance_is_off(real_model_dir):
+def test_a_kernel_that_sums_by_the_batch_is_said_under_auto_and_refused_under_on(real_model_dir):
     _, c = engine_tokens(real_model_dir, prompts()[:1], dtype="float32", fp32_kernel="onednn")
-    assert c["batch_invariant"].startswith("off: float32 weights on onednn-packed"), c["batch_invariant"]
+    assert not c["plan"]["batch_invariant"] and c["plan"]["matmul"] == "onednn", c["plan"]
+    assert c["batch_invariant"].startswith("off: float32 weights on onednn, whose row sums depend on the batch")
     _, c = engine_tokens(real_model_dir, prompts()[:1], dtype="float32", batch_invariant="off")
     assert c["batch_invariant"] == "off: as asked (the fastest kernels for max_num_seqs' batch band)"
+    with pytest.raises(PlanError, match="--batch-invariant on: this run cannot be batch-invariant here "
+                                        r"\(float32 weights on onednn"):
+        engine_tokens(real_model_dir, prompts()[:1], dtype="float32", fp32_kernel="onednn", batch_invariant="on")
 
 
 def cli(inp, out, model, run_id, max_num_seqs, *extra) -> list[str]:
@@ -196,31 +195,48 @@ def test_kill_and_resume_with_wider_batches_gives_the_same_rows(tmp_path, real_m
     assert refused.returncode == 2 and "engine settings" in refused.stderr, refused.stderr
 
 
-def test_a_resume_keeps_the_weights_the_run_started_with(tmp_path):
-    """`--dtype auto` takes the GGUF blocks by max_num_seqs's band, and a resume may change
-    max_num_seqs: the resumed attempt is pinned to the first attempt's weights (a real run directory;
-    the attempts' conditions as an engine writes them)."""
-    from batchgen.config import RunConfig
+@needs_gemv
+@needs_qgemv
+def test_a_resume_keeps_the_plan_the_run_started_with(tmp_path, real_model_dir):
+    """A resume reads the first attempt's plan back from run.json as an EnginePlan (never from its
+    prose) and keeps its weights under `--dtype auto`, so a machine whose measurements moved between
+    attempts changes no token; weights asked for, and a run that was not batch-invariant, are not pinned."""
     from batchgen.data.run import RunDir
-    from batchgen.worker import weights_as_started
+    from batchgen.engine.resolve import plan_engine
+    from batchgen.worker import plan_as_started
 
-    def cfg(**engine):
-        return RunConfig(inputs=("in.parquet",), output_dir=str(tmp_path), engine_config=EngineConfig(**engine))
+    fresh = plan_engine("native", real_model_dir, EngineConfig())
+    blocks = EnginePlan("native", "cpu", "float32", "gguf", "qgemv", "cpu", True, {"dtype": "a measurement"})
 
-    def started(conditions, at):
+    def started(plan: EnginePlan, at: str) -> EnginePlan | None:
         run = RunDir(tmp_path / at)
-        run.record_attempt({"engine": {"dtype": "float32", "quantization": None, "batch_invariant": "on: ...",
-                                       **conditions}})
-        return run
+        run.record_attempt({"engine": {"plan": plan.fields(), "dtype": plan.dtype}})
+        return plan_as_started(run)
 
-    blocks = started({"quantization": "gguf blocks as shipped (Q4_1, Q8_0)"}, "blocks")
-    got = weights_as_started(cfg(max_num_seqs=64), blocks).engine_config
-    assert (got.dtype, got.quantization, got.max_num_seqs) == ("auto", "gguf", 64)
-    dense = started({"dtype": "bfloat16"}, "dense")
-    got = weights_as_started(cfg(max_num_seqs=1), dense).engine_config
-    assert (got.dtype, got.quantization) == ("bfloat16", "none")  # no GGUF blocks at band 1 now
-    # left as given: a fresh run, asked weights, a run that was not batch-invariant
-    assert weights_as_started(cfg(), RunDir(tmp_path / "fresh")) == cfg()
-    assert weights_as_started(cfg(dtype="float32"), blocks) == cfg(dtype="float32")
-    loose = started({"quantization": "gguf blocks", "batch_invariant": "off: as asked"}, "loose")
-    assert weights_as_started(cfg(), loose) == cfg()
+    assert started(blocks, "blocks") == blocks and started(blocks, "again").why == blocks.why
+    assert plan_as_started(RunDir(tmp_path / "fresh")) is None
+    assert fresh.weights == "dense"  # what this machine takes today; the run started with the blocks:
+    pinned = plan_engine("native", real_model_dir, EngineConfig(max_num_seqs=64), started=blocks)
+    assert (pinned.weights, pinned.matmul, pinned.batch_invariant) == ("gguf", "qgemv", True)
+    assert pinned.why["dtype"].startswith("as the run's first attempt took")
+    assert plan_engine("native", real_model_dir, EngineConfig(dtype="float32"), started=blocks).weights == "dense"
+    loose = EnginePlan("native", "cpu", "float32", "gguf", "qgemv", "cpu", False)
+    assert plan_engine("native", real_model_dir, EngineConfig(), started=loose) == fresh
+
+
+def test_batch_invariant_on_where_it_cannot_hold_is_refused_before_the_run(tmp_path, real_model_dir):
+    """`--batch-invariant on` refuses a plan that cannot be invariant (exit 2, no run directory);
+    `auto`, the default, runs it and says so on stderr before the run starts."""
+    from conftest import run_cli_subprocess, write_prompts
+
+    inp = write_prompts(tmp_path / "in.parquet", prompts()[:2])
+    out = tmp_path / "runs"
+    args = cli(inp, out, real_model_dir, "onednn", 2, "--dtype", "float32", "--fp32-kernel", "onednn",
+               "--max-tokens", "2")
+    refused = run_cli_subprocess(args + ["--batch-invariant", "on"])
+    assert refused.returncode == 2, refused.stderr
+    assert "--batch-invariant on: this run cannot be batch-invariant here" in refused.stderr
+    assert not (out / "onednn").exists()
+    ran = run_cli_subprocess(args)
+    assert ran.returncode == 0, ran.stderr
+    assert "batchgen: not batch-invariant: float32 weights on onednn" in ran.stderr, ran.stderr

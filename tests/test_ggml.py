@@ -258,10 +258,11 @@ def test_the_engine_on_the_shipped_blocks_matches_float32(isas, real_model_dir):
 @pytest.mark.parametrize("invariant", ["on", "off"])
 def test_dtype_auto_takes_the_shipped_blocks_where_they_measure_faster(isas, real_model_dir, tmp_path, monkeypatch,
                                                                        invariant):
-    """`--dtype auto` on CPU weighs the model's own GGUF blocks against the dense dtype it would take,
-    per batch band of max_num_seqs, batch-invariant or not: the blocks where they are faster (here, by
-    the measurement's test double, at band 1 and not at 64), with the same greedy tokens as float32
-    (they are the model's exact weights)."""
+    """`--dtype auto` on CPU weighs the model's own GGUF blocks against the dense dtype it would take:
+    with batch invariance off, at the band of max_num_seqs (here, by the measurement's test double,
+    the blocks at band 1 and not at 64), with the same greedy tokens as float32 (they are the model's
+    exact weights); batch-invariant, at one band whatever max_num_seqs, so every batch size takes the
+    same weights."""
     from batchgen import kernels
     from batchgen.engine import precision
 
@@ -288,11 +289,18 @@ def test_dtype_auto_takes_the_shipped_blocks_where_they_measure_faster(isas, rea
         return [out[str(i)] for i in range(len(CHAT))], cond
 
     got, cond = run(1)
-    assert cond["dtype"] == "float32" and cond["quantization"].startswith("gguf blocks as shipped")
+    if invariant == "on":  # weighed at the band of INVARIANT_BATCH (64) whatever max_num_seqs: never here
+        _, wide = run(64)
+        for c in (cond, wide):
+            assert c["plan"]["weights"] == "dense" and c["plan"]["batch_invariant"], c["plan"]
+            assert "band 64" in c["dtype_choice"] and "GGUF blocks not taken" in c["dtype_choice"]
+        return
+    assert cond["plan"]["weights"] == "gguf" and cond["plan"]["matmul"] == "qgemv" and cond["dtype"] == "float32"
+    assert cond["quantization"].startswith("gguf blocks as shipped")
     assert "auto: the model's GGUF blocks" in cond["dtype_choice"] and "band 1" in cond["dtype_choice"]
     ref, _ = run(1, dtype="float32")
     assert got == ref
     _, wide = run(64)
     assert wide["quantization"] is None and "GGUF blocks not taken" in wide["dtype_choice"]
     assert calls and all(c == calls[0] for c in calls) and calls[0][0] == "float32"
-    assert cond["batch_invariant"].startswith("on:") == (invariant == "on"), cond["batch_invariant"]
+    assert not cond["plan"]["batch_invariant"] and cond["batch_invariant"].startswith("off: as asked")

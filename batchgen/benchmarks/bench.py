@@ -236,7 +236,7 @@ def prompt_token_flops(model_dir) -> int:
 
 def make_engine(name: str, model_dir, dtype: str, max_num_seqs: int, max_model_len: int, kv_tokens: int,
                 k: int = 0, quantization: str = "none", compile_: str = "off", fp32_kernel: str = "auto",
-                batch_invariant: str = "on", prefix_caching: bool = False):
+                batch_invariant: str = "auto", prefix_caching: bool = False):
     from batchgen.engine import create_engine
 
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype, quantization=quantization,
@@ -258,7 +258,7 @@ class Variant:
     quantization: str = "none"
     compile: str = "off"
     fp32_kernel: str = "auto"
-    batch_invariant: str = "on"
+    batch_invariant: str = "auto"
     prefix_caching: bool = False
 
 
@@ -686,8 +686,7 @@ def _start_peer(name: str, gguf: list[Path], model_dir, batches: list[int], max_
         cores = None if own_binding else peers.this_process_cores()  # equal compute: native's cores
         if len(wanted) > 1:
             log("vllm-generate: its fp32 and bf16 engines stay alive through the run, and vLLM pins each one's "
-                "worker to the same cores (`core ids` in its log): on a 2-core Xeon, vLLM's bf16 at batch 64 "
-                "read 398-410 tok/s beside its fp32 engine and 490 alone (2026-12-06). For a figure to judge "
+                "worker to the same cores (`core ids` in its log), so each slows the other. For a figure to judge "
                 "by, name one dtype a run: vllm-generate:bf16 or vllm-generate:fp32")
         for dtype in wanted:  # room for every row in flight, in vLLM's own blocks and dtype
             per_token = kv_bytes_per_token(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],

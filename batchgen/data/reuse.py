@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 from batchgen.config import SamplingParams
 from batchgen.data.fs import filesystem, is_uri
 from batchgen.data.run import RunDir
+from batchgen.engine.plan import EnginePlan
 
 KEY_VERSION = 1
 REUSABLE_FINISH = ("stop", "length", "repetition")  # a row that ended in an error or an abort is generated again
@@ -50,12 +51,15 @@ class ReuseError(ValueError):
 
 def numerics(model_fingerprint: str, engine_conditions: dict[str, Any], max_model_len: int) -> dict | None:
     """What of the engine decides a row's tokens, or None where they also depend on the batch (no
-    key, no reuse): the engine's conditions must say batch invariance held."""
-    if not str(engine_conditions.get("batch_invariant", "")).startswith("on"):
+    key, no reuse): the engine's plan (its conditions' `plan`) must be batch-invariant. `weights` is
+    the conditions' description of them (the block formats and the instruction set a kernel runs)."""
+    if "plan" not in engine_conditions:  # an engine that records no plan (a test double) is not known invariant
         return None
-    return {"engine": engine_conditions.get("engine", "native"), "model": model_fingerprint,
-            "dtype": engine_conditions["dtype"], "weights": engine_conditions.get("quantization") or "dense",
-            "max_model_len": max_model_len}
+    plan = EnginePlan.from_fields(engine_conditions["plan"])
+    if not plan.batch_invariant:
+        return None
+    return {"engine": plan.engine, "model": model_fingerprint, "dtype": plan.dtype,
+            "weights": engine_conditions.get("quantization") or "dense", "max_model_len": max_model_len}
 
 
 def request_key(numerics_: dict, prompt_token_ids: list[int], sampling: SamplingParams, sample_index: int) -> str:

@@ -98,22 +98,39 @@ class CpuPagedAttention(TorchPagedAttention):
             window or 0, softcap or 0.0)
 
 
-def select_backend(device: str, name: str = "auto"):
-    """`auto`: a real paged-attention kernel where one is installed for the device (FlashInfer on
-    CUDA, batchgen's C++ kernel on CPU where it builds), else the PyTorch path. `torch`, `cpu` or
-    `flashinfer` ask for one (it must load)."""
+def resolve_backend(device: str, name: str = "auto") -> tuple[str, str]:
+    """(cpu | flashinfer | torch, why) for `--attention-backend name`. `auto`: a real paged-attention
+    kernel where one is installed for the device (FlashInfer on CUDA, batchgen's C++ kernel on CPU
+    where it builds), else the PyTorch path. `cpu` or `flashinfer` ask for one: it must load."""
     if name == "cpu" or (name == "auto" and device == "cpu"):
-        try:
-            return CpuPagedAttention()
-        except RuntimeError:
-            if name == "cpu":
-                raise
+        why = kernels.load("attention")
+        if why is None:
+            return "cpu", "batchgen's C++ paged kernel" + (" (auto on CPU)" if name == "auto" else "")
+        if name == "cpu":
+            raise RuntimeError(f"batchgen's attention kernel is unavailable here ({why})")
+        return "torch", f"the PyTorch path: batchgen's C++ kernel does not build here ({why})"
     if name == "flashinfer" or (name == "auto" and device.startswith("cuda")):
         try:
-            from batchgen.engine.attention_flashinfer import FlashInferBackend
-
-            return FlashInferBackend(device)
+            from batchgen.engine.attention_flashinfer import FlashInferBackend  # noqa: F401 - imports flashinfer
         except ImportError:
             if name == "flashinfer":
                 raise
+            return "torch", "the PyTorch path: FlashInfer is not installed"
+        return "flashinfer", "FlashInfer's paged kernel" + (" (auto on CUDA)" if name == "auto" else "")
+    return "torch", "the PyTorch path, as requested"
+
+
+def make_backend(name: str, device: str):
+    """The backend a plan names (resolve_backend's first answer)."""
+    if name == "cpu":
+        return CpuPagedAttention()
+    if name == "flashinfer":
+        from batchgen.engine.attention_flashinfer import FlashInferBackend
+
+        return FlashInferBackend(device)
     return TorchPagedAttention()
+
+
+def select_backend(device: str, name: str = "auto"):
+    """The backend `--attention-backend name` comes to on `device` (resolve_backend, then made)."""
+    return make_backend(resolve_backend(device, name)[0], device)

@@ -9,7 +9,7 @@ Layout: [num_blocks, block_size, Hkv, D] ("NHD").
 
 from __future__ import annotations
 
-import flashinfer  # noqa: F401 - ImportError here makes select_backend fall back to the PyTorch path
+import flashinfer  # noqa: F401 - ImportError here makes resolve_backend fall back to the PyTorch path
 import torch
 
 from batchgen.engine.attention_metadata import AttentionMetadata

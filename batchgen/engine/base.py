@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from batchgen.config import SamplingParams
+from batchgen.engine.plan import EnginePlan
 
 
 class RequestRejected(ValueError):
@@ -86,6 +87,7 @@ class Engine(ABC):
     name: str = "?"
     tokenizer: Any  # batchgen.model.tokenizer.Tokenizer: input processing happens before add()
     max_model_len: int
+    plan: EnginePlan  # what it runs, resolved once (batchgen.engine.resolve.plan_engine)
 
     @abstractmethod
     def add(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None: ...

@@ -17,17 +17,17 @@ import torch
 
 from batchgen import kernels
 from batchgen.config import DTYPE_BYTES, EngineConfig, batchgen_home
-from batchgen.engine.attention import CpuPagedAttention, TorchPagedAttention, select_backend
+from batchgen.engine.attention import TorchPagedAttention, make_backend
 from batchgen.engine.attention_metadata import DECODE_KEYS, FAR, PREFILL_KEYS, PREFILL_TILE, AttentionMetadata, TileGroup
 from batchgen.engine.decode_graphs import STEP_OPTIONS, DecodeGraphs
 from batchgen.engine.kv_cache import PagedKVCache, free_memory_bytes
-from batchgen.engine.precision import (INVARIANT_BATCH, decode_matrices, resolve_dtype, resolve_fp32_kernel,
-                                       resolve_gguf, resolve_invariant_dtype)
+from batchgen.engine.plan import INVARIANT_MATMULS, EnginePlan
+from batchgen.engine.resolve import plan_engine, plan_of_model
 from batchgen.engine.request import Request
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import Chunk
-from batchgen.model import activation, bgemm, ggml, hugepages, rmsnorm, rope
-from batchgen.model.linear import INT4_GROUP, can_int4, fp32_kernel
+from batchgen.model import activation, ggml, hugepages, rmsnorm, rope
+from batchgen.model.linear import INT4_GROUP
 from batchgen.model.llama import LlamaModel
 from batchgen.model.loader import DTYPES, load_model, read_model_config
 
@@ -38,20 +38,25 @@ class ModelRunner:
     sampler. The engine asks it for one thing: `execute` a scheduled step."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, constraints=None, *,
-                 model: LlamaModel | None = None):
-        """`model`: an already built model, e.g. random weights of a large shape for a benchmark
-        (batchgen.model.random_init); then config.dtype is the model's. `constraints`
+                 model: LlamaModel | None = None, plan: EnginePlan | None = None):
+        """`plan`: what to load and run (batchgen.engine.resolve.plan_engine; made here from `config`
+        where not given). `model`: an already built model, e.g. random weights of a large shape for a
+        benchmark (batchgen.model.random_init); then the plan is the model's. `constraints`
         (batchgen.engine.structured.GrammarConstraints) masks the constrained rows' logits."""
         c = model.config if model is not None else read_model_config(model_dir)
         self.model_config = c
         self.config = config
         self.device = config.device
         self.max_model_len = min(config.max_model_len, c.max_position_embeddings)
-        self.quantization = config.quantization  # `--dtype auto` may take the model's GGUF blocks (_load)
         if model is not None:
-            self.model, self.dtype, self.dtype_choice = model, str(model.dtype).removeprefix("torch."), "the model's"
+            self.model, self.plan = model, plan or plan_of_model(config, model)
         else:
-            self.model, self.dtype, self.dtype_choice, self.quantization = self._load(model_dir, config, c)
+            self.plan = plan or plan_engine("native", model_dir, config)
+            self.model = self._load(model_dir, config, c, self.plan)
+        if self.plan.batch_invariant and not self.model.matmul_kernels() <= set(INVARIANT_MATMULS):
+            raise RuntimeError(f"the plan is batch-invariant, the loaded model's matmuls run on "
+                               f"{sorted(self.model.matmul_kernels())}: {self.plan.describe()}")
+        self.dtype = self.plan.dtype
         if config.device == "cpu" and config.huge_pages:  # in their final layouts, before any compile sees them
             hugepages.place_attributes(self.model.weight_holders())
         bpe = DTYPE_BYTES[self.dtype]
@@ -62,7 +67,7 @@ class ModelRunner:
         self.num_blocks = config.kv_blocks(self.kv_bytes_per_token, bs, self.max_model_len,
                                            free_memory_bytes(config.device))
         # None without a cache: recompute the whole history every step (the lab's baseline)
-        self.attention = select_backend(config.device, config.attention_backend) if config.enable_kv_cache else None
+        self.attention = make_backend(self.plan.attention, config.device) if config.enable_kv_cache else None
         graphs_mode = self._graphs_mode(config, self.attention)
         # with decode buckets, one more block than the allocator hands out: the padding rows' scratch block
         self.kv = (PagedKVCache(c.num_layers, self.num_blocks + (graphs_mode is not None), bs, c.num_kv_heads,
@@ -77,7 +82,7 @@ class ModelRunner:
         # decode-only steps in static buckets (graphs, compiled), or None
         # batch-invariant: the compiled step rounds where the eager one does (a decode row runs compiled in a
         # decode-only step and eager beside a prompt chunk, which depends on the other rows)
-        options = {**STEP_OPTIONS, "emulate_precision_casts": True} if config.batch_invariant == "on" else None
+        options = {**STEP_OPTIONS, "emulate_precision_casts": True} if self.plan.batch_invariant else None
         self.graphs = (DecodeGraphs(self.model, self.kv, self.attention, scratch_block=self.num_blocks,
                                     device=config.device, mode=graphs_mode,
                                     compile_after_s=0.0 if config.compile == "on" else None, step_options=options)
@@ -85,46 +90,14 @@ class ModelRunner:
         self.compile_s = self._compile(config)
 
     @staticmethod
-    def _load(model_dir, config: EngineConfig, c) -> tuple[LlamaModel, str, str, str]:
-        """The weights in the dtype and kernel this machine runs fastest (or that the config asks for),
-        why that dtype, and the weight format (`--dtype auto` on CPU takes the model's own GGUF blocks
-        where they measure faster: batchgen.engine.precision.resolve_gguf)."""
-        fp32, fp32_why, quantization = config.fp32_kernel, None, config.quantization
-        # a batch-invariant run chooses its dense dtype by the machine alone (precision.INVARIANT_BATCH), never
-        # by max_num_seqs, and runs bf16 on batchgen's bgemm (its rows do not depend on the batch) where it
-        # builds; the model's GGUF blocks against that dtype go by max_num_seqs's band (a weight format of
-        # its own: the conditions and every request key name it, and a resume keeps the first attempt's)
-        invariant = config.batch_invariant == "on" and config.device == "cpu" and config.pack_weights
-        batch = INVARIANT_BATCH if invariant else config.max_num_seqs
-        bf16_isa = bgemm.isa() if invariant and bgemm.load() is None else None
-        if config.quantization == "int4":
-            if not can_int4(config.device):
-                raise ValueError(f"quantization int4 needs PyTorch's int4 CPU kernel; device {config.device!r} "
-                                 f"has none here (on CUDA, serve a quantized checkpoint with the vllm engine)")
-            dtype, why = "bfloat16", "int4 weights: the kernel's activations"
-        elif config.quantization == "gguf":
-            dtype, why = "float32", "gguf blocks: the kernel's activations"
-        else:
-            if config.dtype in ("auto", "float32") and config.pack_weights and config.device == "cpu":
-                # float32's kernel for this batch band first: `--dtype auto` compares float32 on it
-                fp32, fp32_why = resolve_fp32_kernel(config.fp32_kernel, config.device, batch, decode_matrices(c),
-                                                     invariant)
-            width = fp32_kernel(fp32, config.device)[0] if fp32 == "gemv" else None
-            chosen = (resolve_invariant_dtype(config.device, decode_matrices(c), width, bf16_isa)
-                      if invariant and config.dtype == "auto" else None)
-            dtype, why = chosen or resolve_dtype(config.dtype, config.device, batch, fp32)
-            if config.dtype == "auto" and config.device == "cpu" and config.pack_weights:
-                take, gguf_why = resolve_gguf(model_dir, c, dtype, width if dtype == "float32" else None,
-                                              config.max_num_seqs, bf16_tiles=bf16_isa is not None)
-                if take:
-                    why = f"auto: the model's GGUF blocks (float32 activations), {gguf_why}; dense: {dtype}, {why}"
-                    quantization, dtype = "gguf", "float32"
-                else:
-                    why = f"{why}; the model's GGUF blocks not taken: {gguf_why}"
-        model = load_model(model_dir, dtype, config.device, max_positions=min(config.max_model_len,
-                                                                               c.max_position_embeddings),
-                           pack_weights=config.pack_weights, quantization=quantization, fp32_kernel=fp32,
-                           bf16_tiles=bf16_isa is not None)
+    def _load(model_dir, config: EngineConfig, c, plan: EnginePlan) -> LlamaModel:
+        """The weights the plan names, in the kernels' layouts, with batchgen's elementwise kernels where
+        they build."""
+        model = load_model(model_dir, plan.dtype, config.device, max_positions=min(config.max_model_len,
+                                                                                    c.max_position_embeddings),
+                           pack_weights=config.pack_weights, quantization=plan.quantization,
+                           fp32_kernel="gemv" if plan.matmul == "gemv" else "onednn" if plan.matmul == "onednn"
+                           else config.fp32_kernel, bf16_tiles=plan.matmul == "bgemm")
         if config.device == "cpu":
             # faster than torch's ops, and the same bits in the eager and the compiled step: the norm sums each
             # row in one order (Inductor's fused norm does not add as ATen's does), RoPE rounds where ATen does
@@ -134,9 +107,9 @@ class ModelRunner:
             model.use_kernels(norm=rmsnorm.rms_norm if rmsnorm.load() is None else None,
                               rope=rope.apply_rope if roped else None, silu=silu, fuse_swiglu=silu is not None,
                               rope_kv=rope.rope_kv if roped else None)
-        if dtype == "float32" and config.fp32_kernel == "auto" and fp32_why:
-            model.layout_note = fp32_why  # which kernel auto took for this band, and the figures
-        return model, dtype, why, quantization
+        if plan.dtype == "float32" and config.fp32_kernel == "auto" and plan.matmul in ("gemv", "onednn"):
+            model.layout_note = plan.why.get("matmul")  # which kernel auto took, and the figures
+        return model
 
     @staticmethod
     def _graphs_mode(config: EngineConfig, attention) -> str | None:
@@ -184,14 +157,15 @@ class ModelRunner:
         else:
             compile_ = self.model.compiled or "off"
         return {
-            "dtype": self.dtype, "dtype_choice": self.dtype_choice, "weight_layout": self.model.weight_layout,
+            "plan": self.plan.fields(),
+            "dtype": self.dtype, "dtype_choice": self.plan.why.get("dtype", ""), "weight_layout": self.model.weight_layout,
             "quantization": self._quantization(), "kv_cache_bytes": self.kv.nbytes if self.kv else 0,
             "attention_backend": self.attention.name if self.attention else "none (recompute)",
             "weight_bytes": self.model.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
             "sampler": self.sampler.name, "compile": compile_,
             "compile_s": g.compile_s if g is not None and g.mode == "compile" else self.compile_s,
             "cuda_graphs": "off" if g is None else g.describe(),
-            "batch_invariant": self.batch_invariance(),
+            "batch_invariant": self.plan.invariance(),
             "huge_pages": self.huge_pages(),
         }
 
@@ -208,39 +182,10 @@ class ModelRunner:
                 f"{mib(sum(t.nbytes for t in weights))} MiB, KV pool {mib(hugepages.backed(kv))} of "
                 f"{mib(sum(t.nbytes for t in kv))} MiB on huge pages")
 
-    def batch_invariance(self) -> str:
-        """"on: ..." where every part of the step sums each row in an order that does not depend on the
-        batch (so a row's tokens do not depend on max_num_seqs, its neighbours, chunking or a resume),
-        else "off: why". Request keys (batchgen.data.reuse) exist only for "on" runs."""
-        if self.config.batch_invariant == "off":
-            return "off: as asked (the fastest kernels for max_num_seqs' batch band)"
-        if self.device != "cpu":
-            return f"off: the native engine has no batch-invariant kernels on {self.device}"
-        mats = [m for l in self.model.layers for m in (l.qkv, l.o, l.gate_up, l.down)] + [self.model.lm_head]
-        loose = sorted({m.layout for m in mats if not (isinstance(m, ggml.BlockLinear) or
-                                                       getattr(m, "blocked", None) is not None or
-                                                       getattr(m, "gated", None) is not None or
-                                                       getattr(m, "tiled", None) is not None)})
-        if loose:
-            return (f"off: {self.dtype} weights on {', '.join(loose)}, whose row sums depend on the batch "
-                    f"(batchgen's gemv (float32), bgemm (bfloat16) and qgemv (GGUF blocks) are batch-invariant)")
-        if self.attention is not None and not isinstance(self.attention, CpuPagedAttention):
-            return f"off: attention {self.attention.name} (batchgen's C++ kernel is the batch-invariant one)"
-        if self.model.base_norm is not rmsnorm.rms_norm:
-            return (f"off: torch's RMSNorm, whose row sums differ between the compiled and the eager step "
-                    f"(batchgen's rmsnorm kernel: {rmsnorm.load()})")
-        if self.model.base_rope is not rope.apply_rope:
-            return f"off: torch's RoPE in place of batchgen's rope kernel, which both steps call ({rope.load()})"
-        matmuls = ("GGUF blocks on qgemv" if self.quantization == "gguf" else
-                   f"{self.dtype} on {'bgemm' if self.dtype == 'bfloat16' else 'gemv'}")
-        act = ", one-pass SwiGLU" if self.model.base_act is activation.silu_mul else ""
-        att = f" ({self.attention.bf16_isa()})" if self.dtype == "bfloat16" and self.attention is not None else ""
-        return f"on: {matmuls}, C++ paged attention{att}, fixed-order RMSNorm and RoPE{act}, counter-hash sampling"
-
     def _quantization(self) -> str | None:
-        if self.quantization == "int4":
+        if self.plan.weights == "int4":
             return f"int4 weight-only, group {INT4_GROUP}, scale+zero (layers; head {self.dtype})"
-        if self.quantization == "gguf":  # which block formats, and the instruction set the kernel runs
+        if self.plan.weights == "gguf":  # which block formats, and the instruction set the kernel runs
             mods = [m for l in self.model.layers for m in (l.qkv, l.o, l.gate_up, l.down)] + [self.model.lm_head]
             kinds = sorted({m.kind for m in mods if hasattr(m, "kind")})
             return f"gguf blocks as shipped ({', '.join(kinds)}), batchgen qgemv on {ggml.isa_name()}"

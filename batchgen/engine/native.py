@@ -20,6 +20,7 @@ from batchgen.engine.base import Engine, RequestRejected, StepResult, monotonic_
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.output_processor import OutputProcessor
+from batchgen.engine.plan import EnginePlan
 from batchgen.engine.reasoning import Thought, markers_of
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler
@@ -36,10 +37,11 @@ class NativeEngine(Engine):
 
     def __init__(self, model_dir: str | Path, config: EngineConfig = EngineConfig(),
                  clock: Callable[[], float] | None = None, *, model: LlamaModel | None = None, tokenizer=None,
-                 faults: Faults | None = None):
-        """`model` (with `tokenizer`): an already built model, e.g. random weights of a large shape
-        for a benchmark (batchgen.model.random_init); then config.dtype is the model's. `faults`:
-        requests that break the step, for the fault-injection tests (none by default)."""
+                 faults: Faults | None = None, plan: EnginePlan | None = None):
+        """`plan`: the weights and kernels to run (batchgen.engine.resolve.plan_engine; made from `config`
+        where not given). `model` (with `tokenizer`): an already built model, e.g. random weights of a
+        large shape for a benchmark (batchgen.model.random_init); then the plan is the model's.
+        `faults`: requests that break the step, for the fault-injection tests (none by default)."""
         self.config = config
         self.faults = faults or Faults()
         self.model_dir = Path(model_dir)
@@ -47,7 +49,7 @@ class NativeEngine(Engine):
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(model_dir)
         self.clock = clock or monotonic_clock()
         self.constraints = GrammarConstraints(model_dir, c.vocab_size, sorted(c.eos_token_ids))
-        self.runner = ModelRunner(model_dir, config, self.constraints, model=model)  # the device's side
+        self.runner = ModelRunner(model_dir, config, self.constraints, model=model, plan=plan)  # the device's side
         self.max_model_len = self.runner.max_model_len
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
                                    config.enable_prefix_caching and config.enable_kv_cache)
@@ -66,6 +68,7 @@ class NativeEngine(Engine):
     # the runner's and the output processor's figures, where callers (bench, tests) read them
     model = property(lambda self: self.runner.model)
     dtype = property(lambda self: self.runner.dtype)
+    plan = property(lambda self: self.runner.plan)
     kv_bytes_per_token = property(lambda self: self.runner.kv_bytes_per_token)
     compile_s = property(lambda self: self.runner.compile_s)
     num_draft_tokens = property(lambda self: self.output.num_draft_tokens)

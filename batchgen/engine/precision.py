@@ -7,8 +7,9 @@ a decode step's worth of matmuls (each in its fastest layout, batchgen.model.lin
 every dtype at batch bands 1, 8, 64 and 256, and cached beside the hardware probe. float32 is timed
 on the kernel the engine will run it on (batchgen's gemv where it builds, or oneDNN's: a record for
 each), so the choice compares what will actually run. Which of those two kernels float32 runs on is
-itself chosen per band the same way (resolve_fp32_kernel), first. The engine then takes, for the band
-nearest its max_num_seqs, the fastest dtype. On CUDA, bf16 (fp16 where the GPU
+itself chosen per band the same way (resolve_fp32_kernel), first. batchgen.engine.resolve.plan_engine
+then takes the fastest dtype for one band: INVARIANT_BATCH's in a batch-invariant run, else the band
+nearest max_num_seqs. On CUDA, bf16 (fp16 where the GPU
 has no bf16) without measuring: tensor cores run both at the same rate.
 """
 
@@ -25,15 +26,11 @@ from batchgen.config import ModelConfig
 from batchgen.model.linear import Linear, fp32_kernel
 
 BANDS = (1, 8, 64, 256)
-# A batch-invariant run (EngineConfig.batch_invariant, the default) chooses its dense dtype by the
-# machine alone, never by its max_num_seqs: for the band of this batch (the default max_num_seqs'), and
-# only among kernels that sum each row in one fixed order whatever the rows beside it: float32 on
-# batchgen's gemv, bfloat16 on batchgen's bgemm (resolve_invariant_dtype). The model's GGUF blocks on
-# qgemv, invariant too, are a weight format of their own, weighed against that dtype at max_num_seqs'
-# band (resolve_gguf): the conditions and the request keys name the weights, and a resume keeps the
-# first attempt's (batchgen.worker.weights_as_started). oneDNN's bf16/fp16
-# (and fp32) GEMMs pick their blocking by the number of rows and threads: measured on a 2-core Xeon with AMX, a row of a bf16 [960 x 576] product
-# came out the same alone and among 1..32 rows, differed among 33..500, and agreed again at 512.
+# A batch-invariant run chooses its weights by the machine alone, never by its max_num_seqs: at the band
+# of this batch (the default max_num_seqs'), and only among kernels that sum each row in one fixed order
+# whatever the rows beside it: float32 on batchgen's gemv, bfloat16 on its bgemm (resolve_invariant_dtype),
+# the model's GGUF blocks on qgemv (resolve_gguf). oneDNN's GEMMs pick their blocking by the number of
+# rows and threads, so their row sums move with the batch (docs/reproducible.md).
 INVARIANT_BATCH = 32
 CANDIDATES = ("float32", "bfloat16", "float16")
 # ~200 MB at fp32 (100 MB at 16 bits): past any CPU's caches, so batch 1 is bandwidth-bound as in decode
@@ -115,9 +112,8 @@ def fp32_kernel_record(width: int, shapes: list[tuple[int, int]] | None = None) 
     return f"-fp32-kernel-gemv{width}-{kernels.builds('gemv')}-{key}"
 
 
-# oneDNN's kernel replaces gemv only where it is this much faster: near the crossover (batch 64 on a
-# Zen 3 and a Zen 4) the two trade places from one measurement to the next, and a machine's cached
-# choice should not be a coin toss
+# oneDNN's kernel replaces gemv only where it is this much faster: near the crossover the two trade
+# places from one measurement to the next, and a machine's cached choice should not be a coin toss
 FP32_KERNEL_MARGIN = 1.05
 
 
@@ -125,8 +121,7 @@ def resolve_fp32_kernel(requested: str, device: str, batch: int,
                         shapes: list[tuple[int, int]] | None = None, invariant: bool = False) -> tuple[str, str]:
     """(gemv | onednn, why) for float32 weights. gemv streams the weights once for a few rows and wins
     at decode's small batches; oneDNN's blocked GEMM reuses each tile across many rows and wins as
-    the batch grows (measured on a 2-core Zen 3, 20 matrices of 1024 x 3072: gemv 1.55x at batch 1,
-    1.20x at 8, level at 64, 0.87x at 256). So `auto` takes, for the band nearest max_num_seqs, the
+    the batch grows. So `auto` takes, for the band nearest max_num_seqs, the
     faster of the two from a crossover measured once per machine and model shape (`shapes`, see
     decode_matrices; seconds) and cached. `invariant` (a batch-invariant run): gemv wherever it builds."""
     if requested != "auto":
@@ -184,24 +179,6 @@ def resolve_dtype(requested: str, device: str, batch: int, fp32: str = "auto") -
 
 
 # ---- `--dtype auto` in a batch-invariant run: among the kernels whose rows do not depend on the batch --
-
-def can_be_batch_invariant(config) -> bool:
-    """Whether an engine made from `config` (batchgen.config.EngineConfig) will be batch-invariant: it
-    asks for it, and the kernels it needs build on this machine (the engine's conditions say it after
-    loading; this answers before, for a run's identity). A resume may then change the batch shape."""
-    if (config.batch_invariant != "on" or config.device != "cpu" or config.attention_backend not in ("auto", "cpu")
-            or config.dtype not in ("auto", "float32", "bfloat16") or config.quantization == "int4"):
-        return False
-    from batchgen.model import bgemm
-
-    if any(kernels.load(k) is not None for k in ("attention", "rmsnorm", "rope")):
-        return False
-    gemv_ok = fp32_kernel(config.fp32_kernel, "cpu")[0] is not None if config.fp32_kernel != "onednn" else False
-    if config.quantization == "gguf":
-        return True
-    bf16_ok = bgemm.load() is None
-    return {"float32": gemv_ok, "bfloat16": bf16_ok}.get(config.dtype, gemv_ok or bf16_ok)
-
 
 def measure_invariant(device: str, shapes: list[tuple[int, int]], fp32_width: int, repeats: int = 3) -> dict:
     """float32 on gemv against bfloat16 on bgemm, per band, in turns, over matrices of `shapes` (the

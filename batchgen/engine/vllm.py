@@ -16,6 +16,7 @@ import re
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,8 +25,10 @@ from batchgen.config import DTYPE_BYTES, EngineConfig, SamplingParams, kv_bytes_
 from batchgen.engine.base import (Engine, EngineDead, FinishedRequest, RequestRejected, StepResult, monotonic_clock,
                                   step_bytes_read)
 from batchgen.engine.kv_cache import free_memory_bytes
+from batchgen.engine.plan import EnginePlan
 from batchgen.engine.reasoning import Thought, markers_of
 from batchgen.engine.repetition import looping
+from batchgen.engine.resolve import plan_engine
 from batchgen.model.loader import count_decode_weight_elements, read_hf_shape
 from batchgen.model.tokenizer import Tokenizer
 
@@ -197,31 +200,20 @@ class _Tracked:
         self.last_token_t: float | None = None
 
 
-def vllm_batch_invariance(config: EngineConfig) -> str:
-    """"on: ..." where vLLM's own batch-invariant mode (VLLM_BATCH_INVARIANT, its Triton kernels) is
-    passed through: on CUDA, unless turned off; else "off: why". Request keys exist only for "on"."""
-    if config.batch_invariant == "off":
-        return "off: as asked"
-    if not config.device.startswith("cuda"):
-        return "off: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT) is for CUDA; none on CPU"
-    return "on: vLLM's VLLM_BATCH_INVARIANT=1 (its batch-invariant kernels)"
-
-
 class VllmEngine(Engine):
     name = "vllm"
 
     def __init__(self, model_dir: str | Path, config: EngineConfig = EngineConfig(),
                  clock: Callable[[], float] | None = None, options: dict[str, Any] | None = None,
-                 lora_adapters: dict[str, str] | None = None):
+                 lora_adapters: dict[str, str] | None = None, plan: EnginePlan | None = None):
+        """`plan`: batchgen.engine.resolve.plan_engine's for vllm (made here where not given)."""
         from vllm.engine.arg_utils import EngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.llm_engine import LLMEngine
 
         options = dict(options or {})
         check_vllm_options(options)
-        if config.quantization != "none":  # vLLM quantizes through its own options and checkpoints
-            raise ValueError(f"quantization {config.quantization!r} is the native engine's; with vllm, pass a "
-                             f"quantized checkpoint or vllm options (e.g. quantization=...)")
+        plan = plan or plan_engine("vllm", model_dir, config, options)
         self.config = config
         self.model_dir = Path(model_dir)
         shape = read_hf_shape(model_dir)  # vLLM itself decides whether it runs the architecture
@@ -230,8 +222,7 @@ class VllmEngine(Engine):
         self.markers = markers_of(self.tokenizer.template_source, self.tokenizer.token_id, self.tokenizer.encode)
         self.clock = clock or monotonic_clock()
         on_cpu = config.device == "cpu"
-        self.batch_invariant = vllm_batch_invariance(config)
-        if self.batch_invariant.startswith("on"):  # vLLM reads it from the environment, in its engine process too
+        if plan.batch_invariant:  # vLLM reads it from the environment, in its engine process too
             os.environ["VLLM_BATCH_INVARIANT"] = "1"
         # enforce_eager stays vLLM's default (off: its compiled CPU path), as LLM(...) users get it
         options.setdefault("max_num_batched_tokens", max(config.max_num_batched_tokens, self.max_model_len))
@@ -292,7 +283,8 @@ class VllmEngine(Engine):
             except Exception as e:
                 raise self._died("vLLM's engine did not start", f"{type(e).__name__}: {e}") from e
         resolved = getattr(getattr(self.engine, "model_config", None), "dtype", None)
-        self._dtype = str(resolved).removeprefix("torch.") if resolved is not None else config.dtype
+        # the dtype vLLM's own rule took for `auto`
+        self.plan = replace(plan, dtype=str(resolved).removeprefix("torch.") if resolved is not None else config.dtype)
         self._closing = False
         self._watch_engine_core()
         self.weight_bytes = count_decode_weight_elements(model_dir) * bpe
@@ -494,7 +486,7 @@ class VllmEngine(Engine):
         c = self.config
         return {
             "engine": self.name, "engine_version": self._vllm_version, "batchgen_version": batchgen.__version__,
-            "dtype": self._dtype, "dtype_choice": "as requested" if c.dtype != "auto" else "auto: vLLM's rule",
+            "plan": self.plan.fields(), "dtype": self.plan.dtype, "dtype_choice": self.plan.why["dtype"],
             "quantization": self.options.get("quantization"), "device": c.device,
             "max_num_seqs": c.max_num_seqs, "max_model_len": self.max_model_len,
             "kv_budget_tokens": (self.options["kv_cache_memory_bytes"] // self.kv_bytes_per_token
@@ -503,7 +495,7 @@ class VllmEngine(Engine):
             "max_num_batched_tokens": self.options["max_num_batched_tokens"],
             "weight_bytes": self.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
             "speculative": self.options.get("speculative_config"), "vllm_options": self.options,
-            "lora_adapters": self.lora_adapters, "batch_invariant": self.batch_invariant,
+            "lora_adapters": self.lora_adapters, "batch_invariant": self.plan.invariance(),
         }
 
     def close(self) -> None:

@@ -79,6 +79,7 @@ class BlockLinear:
     zero columns, never written out)."""
 
     __slots__ = ("kind", "qs", "d", "m", "bias", "out_features", "in_features", "nbytes", "dtype", "isa", "gated")
+    kernel = "qgemv"  # the matmul kernel's name, as an EnginePlan gives it
 
     def __init__(self, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                  bias: torch.Tensor | None = None, isa: int = 0):

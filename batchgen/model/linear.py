@@ -153,6 +153,14 @@ class Linear:
         return h + self(x)
 
     @property
+    def kernel(self) -> str:
+        """The matmul kernel's short name, as an EnginePlan names it: gemv, bgemm, onednn or torch."""
+        held = self.gated if self.gated is not None else self.blocked if self.blocked is not None else self.tiled
+        if held is not None:
+            return "bgemm" if held.dtype == torch.bfloat16 else "gemv"
+        return "onednn" if self.packed is not None else "torch"
+
+    @property
     def layout(self) -> str:
         if self.gated is not None and self.gated.dtype == torch.bfloat16:
             return f"bgemm-tiled ({'AMX' if self.amx else 'AVX512_BF16'}), SwiGLU in the kernel"
@@ -225,6 +233,7 @@ class Int4Linear:
 
     __slots__ = ("packed", "scale_zero", "bias", "out_features", "in_features", "nbytes", "dtype", "group")
     layout = "int4 weight-only (PyTorch int4pack)"
+    kernel = "int4"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = INT4_GROUP):
         self.out_features, self.in_features = weight.shape

@@ -121,6 +121,10 @@ class LlamaModel:
         out = [self, *self.layers]
         return out + [v for o in out for v in vars(o).values() if hasattr(v, "out_features")]
 
+    def matmul_kernels(self) -> set[str]:
+        """The kernels the model's matrices run on (Linear.kernel: gemv, bgemm, qgemv, onednn, int4, torch)."""
+        return {m.kernel for l in self.layers for m in (l.qkv, l.o, l.gate_up, l.down)} | {self.lm_head.kernel}
+
     @property
     def weight_layout(self) -> str:
         layers, head = self.layers[0].qkv.layout, self.lm_head.layout
