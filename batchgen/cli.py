@@ -274,7 +274,7 @@ def build_parser(with_commands: bool = False):
     dec = lab.add_parser("decode", help="KV cache against recomputing the history")
     dec.add_argument("--prompt-tokens", type=int, default=64)
     dec.add_argument("--new-tokens", type=int, default=32)
-    dec.add_argument("--model", default="smollm2-135m")
+    dec.add_argument("--model", default=DEFAULT_MODEL)
     dec.add_argument("--device", default="cpu")
     model = sub.add_parser("model", help="model files").add_subparsers(dest="model_cmd", required=True)
     prep = model.add_parser("prepare", help="convert the shipped SmolLM2 GGUF into a local HF directory, once")

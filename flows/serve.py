@@ -7,19 +7,21 @@ On a fleet of GPU machines use prefect.yaml instead (`prefect deploy --all` + wo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prefect import serve
 
+from batchgen.settings import load_yaml
 from flows.pipeline import pipeline
 from flows.report import report
 from flows.sweep import sweep
 
-DEMO_SETTINGS = {"input": ["configs/demo/prompts.parquet"], "output": "runs", "max_tokens": 96,
-                 "max_num_seqs": 16, "max_model_len": 1024, "shard_size": 12}
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cpu-demo.yaml"  # the embedded default's settings
 
 
 def deployments():
     return [
-        pipeline.to_deployment(name="nightly", cron="0 2 * * *", parameters={"settings": DEMO_SETTINGS},
+        pipeline.to_deployment(name="nightly", cron="0 2 * * *", parameters={"settings": load_yaml(DEMO_CONFIG)},
                                description="Nightly generation of the demo dataset, then its report.",
                                tags=["batchgen", "scheduled"]),
         pipeline.to_deployment(name="on-demand", description="Generate a dataset, then report: fill in the form.",

@@ -14,8 +14,8 @@
            --out`), as one Markdown table: a row a target and run, with the CPU, the run's date and
            repeats, both figures and the verdict; then each CPU's flags.
 
-The verdicts are bench_results.verdicts, the ones `batchgen bench` prints under its table. The series
-took 59 minutes on the 2-core Xeon (2026-12-07); llama.cpp needs the peers extra (`pip install -e ".[peers]"`)
+The verdicts are bench_results.verdicts, the ones `batchgen bench` prints under its table. The whole
+series takes about an hour on 2 cores; llama.cpp needs the peers extra (`pip install -e ".[peers]"`)
 and vLLM the cpu extra, and a peer that is not installed is left out of its run with a line.
 """
 

@@ -31,6 +31,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.config import DEFAULT_MODEL
+
 VARIANTS = (("sorted", "fifo"), ("fifo", "fifo"), ("prefix", "prefix"), ("length", "length"),
             ("prefix-length", "prefix-length"))
 TAIL_SQL = """
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--long", type=int, default=128, help="new tokens of one row in --every")
     p.add_argument("--every", type=int, default=7)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     args = p.parse_args(argv)
 
     shuffled, longest_first = workload(args.rows, args.short, args.long, args.every)

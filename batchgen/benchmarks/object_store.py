@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from batchgen.config import SamplingParams
+from batchgen.config import DEFAULT_MODEL, SamplingParams
 from batchgen.engine.base import Engine, FinishedRequest, StepResult
 
 
@@ -93,7 +93,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--shard-size", type=int, default=50_000)
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     args = ap.parse_args()
     from batchgen.benchmarks.reader_stream import write_dataset
     from batchgen.data.fs import filesystem

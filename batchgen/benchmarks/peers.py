@@ -254,9 +254,8 @@ class VllmOwnRunner:
 
     def _forget(self) -> None:
         """Empty vLLM's prefix cache (on by default, and kept so): a dataset job sends each prompt once,
-        and the bench sends the same prompts in its warm-up and every repeat. Left full, it served 17,408
-        of a batch-64 repeat's 22,543 prompt tokens from the run before (2026-12-06, fp32: 35.6 s a
-        repeat against 61.3 s emptied), which is how every vLLM figure before that date was taken."""
+        and the bench sends the same prompts in its warm-up and every repeat: left full, it serves most
+        of a repeat's prompt tokens from the run before (docs/speed.md)."""
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not empty its prefix cache (reset_prefix_cache returned False)")
 

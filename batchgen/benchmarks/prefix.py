@@ -34,6 +34,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.config import DEFAULT_MODEL
+
 N_SYSTEMS = 8
 SYSTEM_WORDS = 190  # ~250 tokens with SmolLM2's tokenizer
 
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=2048)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--stage-rows", type=int, default=1_000_000, help="rows staged to time the prefix order (0: skip)")
     p.add_argument("--only-stage", action="store_true", help="measure the staging alone, not the runs")

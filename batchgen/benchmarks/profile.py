@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from batchgen.config import DEFAULT_MODEL
+
 CLASSES = ("GEMM", "attention", "sampling", "fused elementwise", "other ops", "host")
 GEMM_NAMES = ("gemv", "bgemm", "qgemv", "q4_1", "q8_0", "_weight_int4pack", "mkldnn", "aten::mm", "aten::addmm",
               "aten::linear", "aten::bmm", "aten::matmul")
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--decode-steps", type=int, default=16)
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--ops", type=int, default=0, help="also list each phase's N ops with the most own time")
     p.add_argument("--dtype", default="auto", help="the engine's dtype (auto: what a user gets by default)")
     a = p.parse_args(argv)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.config import SamplingParams
+from batchgen.config import DEFAULT_MODEL, SamplingParams
 from batchgen.data.prompts import InputProcessor, PreparedRow
 from batchgen.data.reader import PromptDataset
 from batchgen.metrics.conditions import cpu_model
@@ -48,7 +48,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--shard-size", type=int, default=1000)
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     args = ap.parse_args()
     from batchgen.model.prepare import resolve_model
     from batchgen.model.tokenizer import Tokenizer

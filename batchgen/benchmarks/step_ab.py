@@ -22,6 +22,8 @@ import argparse
 import statistics
 import time
 
+from batchgen.config import DEFAULT_MODEL
+
 
 def main(argv: list[str] | None = None) -> int:
     from batchgen.benchmarks import bench
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default="torch/0,cpu/0,cpu/1s")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     a = p.parse_args(argv)
     model = resolve_model(a.model)
     from batchgen.model.tokenizer import Tokenizer

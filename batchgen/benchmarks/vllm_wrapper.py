@@ -24,6 +24,8 @@ import statistics
 import time
 from pathlib import Path
 
+from batchgen.config import DEFAULT_MODEL
+
 ENGINES = {"vLLM LLM.generate": "vllm-generate", "batchgen --engine vllm": "vllm",  # a variant's engine in --out
            "batchgen, enforce_eager": "vllm:eager"}
 
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--out", help="also write the cells as a bench run's Parquet here")
     args = p.parse_args(argv)
 

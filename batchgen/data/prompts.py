@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from batchgen.config import ConfigError, RunConfig, SamplingParams, derive_seed
+from batchgen.config import ConfigError, RunConfig, SamplingParams, derive_seed, int_range
 from batchgen.data.reader import InvalidValue
 from batchgen.data.response_format import normalise_response_format
 
@@ -64,10 +64,6 @@ def _messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
-# What each integer parameter may hold: a seed is a signed 64-bit value (what every engine and the
-# sampler's hash take); counts fit in 32 bits. Outside these a row is refused, never the run.
-INT_RANGES = {"max_tokens": (1, 2**31 - 1), "top_k": (0, 2**31 - 1), "seed": (-(2**63), 2**63 - 1),
-              "logprobs": (0, 2**31 - 1), "n": (1, 1024), "max_reasoning_tokens": (1, 2**31 - 1)}
 
 
 def _stop(value: Any) -> tuple[str, ...] | None:
@@ -121,7 +117,7 @@ def _param(row: dict[str, Any], name: str, kind: type):
     if kind is int:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
             raise ValueError(f"{name} must be an integer, got {v!r}")
-        lo, hi = INT_RANGES[name]
+        lo, hi = int_range(RunConfig if name == "n" else SamplingParams, name)  # outside: the row, not the run
         if not lo <= v <= hi:
             raise ValueError(f"{name} must be in [{lo}, {hi}], got {v!r}")
         return int(v)

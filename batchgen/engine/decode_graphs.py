@@ -24,10 +24,9 @@ kernel, an opaque op, reads the pairs), so the pairs buckets of one rows bucket 
 batch-1 job of 600 tokens, whose pairs pass through buckets 1 to 16, compiles once instead of 5 times,
 at the same speed and with the same tokens.
 The number of rows is a dynamic size too, past 1 (Dynamo specialises a size of 1): one compile serves
-every rows bucket from 2 to max_num_seqs, where a batch-256 job's first run compiled the 32 buckets a
-shrinking batch passes through (407 s on a 2-core Zen 4).
-Measured on a 2-core Zen 4
-with SmolLM2-135M fp32: 1.2-1.4x the eager step at batch 1, 8 and 64. A compile costs seconds (Dynamo traces every
+every rows bucket from 2 to max_num_seqs, where a batch-256 job's first run would compile each of the
+32 buckets a shrinking batch passes through. The compiled step runs 1.2-1.4x the eager one at batch
+1, 8 and 64 (docs/engine.md). A compile costs seconds (Dynamo traces every
 layer: ~4-6 s a bucket with Inductor's cache warm, a minute or more cold), so `--compile auto` rents
 before it buys: a bucket runs the dynamic (unpadded) path until the time spent there would have paid
 for its compile (the compile cost measured last on this machine, over the saving, SAVING), then
@@ -55,7 +54,7 @@ from batchgen.model.linear import let_inductor_call_prepacked
 SAVING = 0.25  # the fraction of an eager step a compiled one saves (measured 0.17-0.30, see above)
 UNMEASURED_COMPILE_S = 30.0  # the compile cost assumed before one has been measured on this machine
 # Inductor's generated wrapper checks every input's size, stride and alignment on each call: some 15
-# Python calls a layer, about 1 ms of a 21 ms batch-1 step (SmolLM2-135M, 2-core Zen 4). A bucket's
+# Python calls a layer, some 5% of a batch-1 step. A bucket's
 # inputs are its own static buffers, the weights and the KV pool: the same tensors every call, whose
 # shapes and strides Dynamo's guards already check before the compiled code runs. cpp_wrapper: the
 # wrapper that calls the step's kernels is C++ too, not Python (faster at batch 1 and 64, measured).
@@ -69,8 +68,8 @@ def bucket_guards(entries) -> list[bool]:
     """Which of Dynamo's guards a compiled step keeps: those on the bucket's static buffers (`st`: the
     shapes that tell the buckets apart) and the global state (grad mode, default device, ...). Those on
     the engine's own objects go: the model's ~500 weights and functions, the KV pool and the attention
-    backend are set at load and fixed for the engine's life, and checking their 1,600 guards cost 0.8
-    ms of an 8 ms batch-1 step (2-core Zen 4, GGUF blocks). Safe only because each DecodeGraphs
+    backend are set at load and fixed for the engine's life, and checking their 1,600 guards cost a
+    tenth of a batch-1 step. Safe only because each DecodeGraphs
     compiles a code object of its own (own_code): Dynamo keeps compiled entries on the code object, so
     without it one engine's entry would serve another engine's model."""
     return [not e.name.startswith(("self", "type(self")) for e in entries]
@@ -151,7 +150,7 @@ class DecodeGraphs:
         # Inductor, so the compiled code does not depend on their number); buckets still differ in rows
         self.dynamic_pairs = mode == "compile" if dynamic_pairs is None else dynamic_pairs
         # and so is its number of rows, past 1 (Dynamo specialises a size of 1): one compile for buckets 2
-        # to max_num_seqs (a batch-256 job's first run compiled 32 rows buckets, 407 s on a 2-core Zen 4)
+        # to max_num_seqs (else a batch-256 job's first run compiles 32 rows buckets, minutes of start-up)
         self.dynamic_rows = self.dynamic_pairs if dynamic_rows is None else dynamic_rows
         self.eager_s: dict = {}  # seconds of dynamic steps per bucket not yet compiled (per rows, with dynamic pairs)
         self.compiled_step = None

@@ -154,8 +154,8 @@ class Sampler:
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's greedy token [R]: torch.argmax's choice (the first id of the largest logit, a NaN
-        the largest), by the fused kernel's argmax on CPU float32 rows (ATen's took 11-13 ms of a
-        batch-256 decode step on a 2-core Xeon), by torch's elsewhere."""
+        the largest), by the fused kernel's argmax on CPU float32 rows (ATen's is single-threaded, a
+        visible share of a wide decode step), by torch's elsewhere."""
         if self.torch_why is None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1]:
             return torch.ops.batchgen_sample.argmax(logits)
         return logits.argmax(dim=-1)
