@@ -18,7 +18,6 @@ def _generate_parser(sub) -> None:
                        usage="batchgen generate --input PATH [--output DIR] [--model MODEL] [--max-tokens N] "
                              "[options]",
                        description="Generate one output row per input row (per sample); flags override --config.")
-    p.add_argument("--config", help="YAML run config (configs/*.yaml); its keys are these flags' names with '_'")
     add_settings_flags(p)
 
 
@@ -30,7 +29,6 @@ def _estimate_parser(sub) -> None:
                        description="Take generate's flags; count rows and prompt tokens exactly, the rows "
                                    "--reuse-from would copy, the output tokens to expect, and the time and cost "
                                    "from a short probe at the run's settings (or from earlier runs).")
-    p.add_argument("--config", help="YAML run config (configs/*.yaml); its keys are these flags' names with '_'")
     own = p.add_argument_group("estimate")
     own.add_argument("--history", nargs="+", default=[], metavar="RUN",
                      help="earlier run directories: their mean output tokens a row (and, with --no-probe, their "
@@ -44,16 +42,12 @@ def _estimate_parser(sub) -> None:
 
 
 def _settings(args):
-    """GenerateSettings from --config and the flags (flags win; KEY=VALUE flags add to the config's mapping)."""
-    from batchgen.settings import GenerateSettings, load_yaml
+    """GenerateSettings from the flags, over --config's (GenerateSettings merges the file: flags win,
+    KEY=VALUE flags add to the file's mapping)."""
+    from batchgen.settings import GenerateSettings
     from batchgen.settings_cli import settings_values
 
-    values = load_yaml(args.config) if args.config else {}
-    for key, value in settings_values(args).items():
-        values[key] = {**values.get(key, {}), **value} if isinstance(value, dict) else value
-    if "input" not in values:
-        raise ValueError("no input: give --input PATH (or 'input:' in --config)")
-    return GenerateSettings(**values)
+    return GenerateSettings(**settings_values(args))
 
 
 def cmd_estimate(args) -> int:

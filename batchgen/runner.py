@@ -31,7 +31,7 @@ from batchgen.data.lock import LockError
 from batchgen.data.prompts import InputProcessor, PreparedRow, RowError
 from batchgen.data.reader import InputError, PromptDataset, Shard
 from batchgen.data.reuse import ReuseIndex, find_runs, numerics, request_key
-from batchgen.data.run import IDENTITY_DEFAULTS, RunDir, new_run_id
+from batchgen.data.run_dir import IDENTITY_DEFAULTS, RunDir, new_run_id
 from batchgen.data.writer import SCHEMAS, ShardWriter
 from batchgen.engine import Engine, EngineDead, RequestRejected
 from batchgen.engine.resolve import can_be_batch_invariant, check_invariance_possible

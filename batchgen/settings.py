@@ -8,7 +8,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from batchgen.config import EngineConfig, RunConfig, SamplingParams
 from batchgen.data.response_format import normalise_response_format
@@ -19,10 +19,8 @@ from batchgen.data.response_format import normalise_response_format
 # the dataclass (batchgen.config.setting), and read here.
 RUN_FIELDS = ("run_id", "model", "engine", "prompt_format")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "repetition_stop", "max_reasoning_tokens")
-ENGINE_FIELDS = ("max_num_seqs", "max_model_len", "kv_cache_memory", "kv_cache_memory_fraction", "kv_cache_tokens",
-                 "block_size", "enable_prefix_caching", "max_num_batched_tokens", "dtype", "device",
-                 "speculative_ngram", "quantization", "fp32_kernel", "sampler", "cuda_graphs", "compile",
-                 "attention_backend", "batch_invariant", "admission")
+# every EngineConfig setting (the run seed sits with sampling's)
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.metadata and f.name != "seed")
 ERROR_FIELDS = ("max_error_rate", "error_rate_min_rows")
 BUDGET_FIELDS = ("max_hours", "max_cost", "price_per_hour")
 AS_LIST = {"stop"}  # a tuple in the library, a list in YAML, JSON and the form
@@ -51,6 +49,24 @@ class _Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
+    @model_validator(mode="before")
+    @classmethod
+    def _config_file(cls, data: Any) -> Any:
+        """`config`: a run config file whose settings fill every one not given here; given mappings add to
+        the file's (the CLI's flags over --config, a deployment's parameters over its config)."""
+        if not isinstance(data, dict):
+            return data
+        try:
+            merged = load_yaml(data["config"]) if data.get("config") else {}
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
+        for key, value in data.items():
+            old = merged.get(key)
+            merged[key] = {**old, **value} if isinstance(value, dict) and isinstance(old, dict) else value
+        if "input" not in merged:
+            raise ValueError("no input: give --input PATH (or 'input:' in the config file)")
+        return merged
+
     @field_validator("response_format", check_fields=False)
     @classmethod
     def _valid_response_format(cls, v: str | None) -> str | None:
@@ -75,6 +91,9 @@ class _Settings(BaseModel):
 
 GenerateSettings = create_model(
     "GenerateSettings", __base__=_Settings, __module__=__name__,
+    config=(str | None, Field(None, title="Run config file (YAML; its keys are these settings' names)",
+                              description="a YAML run config (configs/*.yaml, its keys these settings' names) whose "
+                                          "values fill every setting not given here")),
     input=(list[str], Field(..., min_length=1, title="Input",
                             description="Parquet or JSONL (rows, or OpenAI Batch request lines): file(s), directory "
                                         "or glob, local or a URI such as s3://bucket/prompts/")),

@@ -34,7 +34,7 @@ def _base(annotation) -> tuple[Any, bool]:
 
 # --help's groups, in the order a person reads them (vLLM's engine args are grouped so too); a field in
 # none of them lands in the last
-GROUPS = (("input and output", ("input", "output", "run_id", "keep_columns", "output_format", "reuse_from",
+GROUPS = (("input and output", ("config", "input", "output", "run_id", "keep_columns", "output_format", "reuse_from",
                                 "shard_size", "shard_by", "progress", "max_error_rate", "error_rate_min_rows",
                                 "max_hours", "max_cost", "price_per_hour")),
           ("model and prompts", ("model", "engine", "prompt_format", "chat_template_kwargs", "too_long",
@@ -47,7 +47,8 @@ GROUPS = (("input and output", ("input", "output", "run_id", "keep_columns", "ou
                                    "enable_prefix_caching", "admission")),
           ("engine internals (each default is the measured best; docs/engine.md)",
            ("dtype", "device", "compile", "batch_invariant", "quantization", "fp32_kernel", "sampler",
-            "attention_backend", "cuda_graphs", "speculative_ngram", "vllm")))
+            "attention_backend", "cuda_graphs", "speculative_ngram", "prompt_lookup_min", "prompt_lookup_max",
+            "vllm")))
 
 
 def _default_text(field) -> str:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from batchgen.config import RunConfig
 from batchgen.data.reuse import ReuseIndex
-from batchgen.data.run import RunDir
+from batchgen.data.run_dir import RunDir
 from batchgen.engine import Engine, create_engine
 from batchgen.engine.plan import EnginePlan
 from batchgen.engine.resolve import plan_engine

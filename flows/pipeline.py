@@ -32,8 +32,6 @@ def main(argv: list[str] | None = None) -> None:
 
     from batchgen.report.build import HEADLINE_QUERIES, headline_text
     from batchgen.report.queries import connect, run_query
-    from batchgen.settings import load_yaml
-
     ap = argparse.ArgumentParser(prog="python -m flows.pipeline", description=main.__doc__, allow_abbrev=False)
     ap.add_argument("--config", required=True, help="a YAML run config, e.g. configs/cpu-demo.yaml (its keys are "
                                                      "`batchgen generate`'s flags with '_')")
@@ -41,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ray-address", help="shard tasks on this Ray cluster ('auto', 'ray://head:10001')")
     ap.add_argument("--gpus-per-shard", type=float, default=0.0, help="GPUs Ray gives each shard task")
     args = ap.parse_args(argv)
-    values = load_yaml(args.config)
+    values = {"config": args.config}
     if args.run_id:
         values["run_id"] = args.run_id
     result = pipeline(GenerateSettings(**values), FanOut(ray_address=args.ray_address, gpus_per_shard=args.gpus_per_shard))

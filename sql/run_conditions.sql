@@ -36,6 +36,10 @@ final as (
         json_extract_string(d.doc, '$.conditions.engine.sampler') as sampler,
         json_extract_string(d.doc, '$.conditions.engine.cuda_graphs') as cuda_graphs,
         json_extract_string(d.doc, '$.conditions.engine.batch_invariant') as batch_invariant,
+        -- the engine's plan as fields (batchgen.engine.plan; null for runs recorded before plans)
+        json_extract(d.doc, '$.conditions.engine.plan.batch_invariant')::boolean as plan_batch_invariant,
+        json_extract_string(d.doc, '$.conditions.engine.plan.weights') as plan_weights,
+        json_extract_string(d.doc, '$.conditions.engine.plan.matmul') as plan_matmul,
         json_extract_string(d.doc, '$.conditions.engine.huge_pages') as huge_pages,
         json_extract_string(d.doc, '$.conditions.engine.admission') as admission,
         coalesce(json_extract_string(d.doc, '$.identity.shard_by'), 'order') as shard_by,

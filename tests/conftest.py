@@ -121,7 +121,7 @@ def kernel_op(name: str, why: str | None, op):
 
 def read_run_table(run_dir, table: str):
     """One output table of a run, from the files its manifests commit (what every reader must see)."""
-    from batchgen.data.run import RunDir
+    from batchgen.data.run_dir import RunDir
 
     return RunDir(run_dir).read_table(table)
 

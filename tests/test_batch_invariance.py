@@ -201,7 +201,7 @@ def test_a_resume_keeps_the_plan_the_run_started_with(tmp_path, real_model_dir):
     """A resume reads the first attempt's plan back from run.json as an EnginePlan (never from its
     prose) and keeps its weights under `--dtype auto`, so a machine whose measurements moved between
     attempts changes no token; weights asked for, and a run that was not batch-invariant, are not pinned."""
-    from batchgen.data.run import RunDir
+    from batchgen.data.run_dir import RunDir
     from batchgen.engine.resolve import plan_engine
     from batchgen.worker import plan_as_started
 

@@ -9,7 +9,7 @@ import pytest
 from batchgen import budget
 from batchgen.cli import main
 from batchgen.config import EngineConfig, RunConfig, SamplingParams
-from batchgen.data.run import RunDir
+from batchgen.data.run_dir import RunDir
 from batchgen.runner import generate
 
 from conftest import cli_args, read_run_table, write_prompts

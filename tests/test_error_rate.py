@@ -4,7 +4,7 @@ naming the commonest reasons; what it committed stays, and the same command resu
 import json
 
 from batchgen.cli import main
-from batchgen.data.run import RunDir
+from batchgen.data.run_dir import RunDir
 
 from conftest import cli_args, read_run_table, write_prompts
 

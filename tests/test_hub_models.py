@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from batchgen.data.run import RunDir
+from batchgen.data.run_dir import RunDir
 
 from conftest import REPO, write_prompts
 

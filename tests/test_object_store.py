@@ -12,7 +12,7 @@ from conftest import cli_args, read_run_table, run_cli_subprocess, upload, write
 from batchgen.cli import main
 from batchgen.data.fs import Store, filesystem
 from batchgen.data.lock import Lease, LockError
-from batchgen.data.run import RunDir
+from batchgen.data.run_dir import RunDir
 
 pytestmark = pytest.mark.heavy  # starts an S3 server
 

@@ -168,7 +168,7 @@ def test_n_samples_are_rows_with_sample_index_and_their_own_seeds(tmp_path, tiny
 
 
 def test_the_run_contract_counts_id_and_sample_pairs():
-    from batchgen.data.run import exactly_once_problems
+    from batchgen.data.run_dir import exactly_once_problems
     from batchgen.data.writer import SCHEMAS
 
     def t(name, rows):

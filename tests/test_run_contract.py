@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from batchgen.cli import main
-from batchgen.data.run import RunDir, RunError
+from batchgen.data.run_dir import RunDir, RunError
 
 from conftest import cli_args, read_run_table, run_cli_subprocess, write_prompts
 

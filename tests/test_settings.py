@@ -63,8 +63,9 @@ def test_defaults_make_the_library_defaults():
     assert cfg == RunConfig(inputs=("x",), output_dir="runs")
 
 
-def test_every_shipped_config_validates():
+def test_every_shipped_config_validates(monkeypatch):
     """configs/*.yaml and every deployment's parameters in prefect.yaml are valid settings."""
+    monkeypatch.chdir(REPO)  # a deployment names its config file from the checkout, as its workers run
     for path in sorted((REPO / "configs").glob("*.yaml")):
         GenerateSettings(**load_yaml(path)).to_run_config()
     deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
@@ -77,4 +78,26 @@ def test_every_shipped_config_validates():
     assert checked >= 1
     # the shipped GPU deployment runs the engine that has run on a GPU (see its note)
     nightly = next(d for d in deployments if d["name"] == "nightly")["parameters"]["settings"]
-    assert nightly["engine"] == "vllm"
+    resolved = GenerateSettings(**nightly)
+    assert resolved.engine == "vllm"
+    # its settings are the production config's, written there once, with only what it names over them
+    production = GenerateSettings(**load_yaml(REPO / nightly["config"])).model_dump()
+    own = {k for k in nightly if k != "config"}
+    assert {k: v for k, v in resolved.model_dump().items() if k not in own | {"config"}} == \
+        {k: v for k, v in production.items() if k not in own | {"config"}}
+    assert own == {"input", "output", "reuse_from"}
+
+
+def test_a_config_file_fills_what_is_not_given(tmp_path):
+    """`config` (the CLI's --config, a deployment's or the form's field): the file's settings under the
+    given ones; a given mapping adds to the file's; no input anywhere is one clear error."""
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("input: a.parquet\nmax_tokens: 64\ntemperature: 0.5\nvllm: {enforce_eager: true}\n")
+    s = GenerateSettings(config=str(cfg), max_tokens=8, vllm={"max_num_seqs": 4})
+    assert (s.input, s.max_tokens, s.temperature) == (["a.parquet"], 8, 0.5)
+    assert s.vllm == {"enforce_eager": True, "max_num_seqs": 4}
+    assert GenerateSettings(config=str(cfg), input=["b.parquet"]).input == ["b.parquet"]
+    with pytest.raises(ValidationError, match="no input: give --input PATH"):
+        GenerateSettings(max_tokens=8)
+    with pytest.raises(ValidationError, match="config file not found"):
+        GenerateSettings(config=str(tmp_path / "missing.yaml"), input=["x"])

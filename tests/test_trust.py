@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.cli import main
-from batchgen.data.run import RunDir
+from batchgen.data.run_dir import RunDir
 
 from conftest import REPO, cli_args, read_run_table, run_cli_subprocess, write_prompts
 
@@ -79,7 +79,7 @@ def test_a_damaged_committed_shard_is_redone_and_named(tmp_path, dataset, tiny_m
 def test_success_needs_the_same_id_set_not_only_the_same_count(tmp_path, dataset, tiny_model_dir):
     """A committed shard whose rows were swapped for others' ids (same count, checksums re-signed)
     must not pass the final check."""
-    from batchgen.data.run import RunError
+    from batchgen.data.run_dir import RunError
     from batchgen.data.reader import PromptDataset
 
     out, run = tmp_path / "runs", tmp_path / "runs" / "r"

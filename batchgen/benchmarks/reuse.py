@@ -31,7 +31,7 @@ def _key(i: int) -> str:
 def write_earlier_run(path: Path, rows: int) -> None:
     """A committed run of `rows` requests rows with request keys (no engine: the rows' contents are
     made up; the files, manifests and checksums are the real protocol's)."""
-    from batchgen.data.run import RunDir
+    from batchgen.data.run_dir import RunDir
     from batchgen.data.writer import SCHEMAS
 
     run = RunDir(path)
@@ -84,7 +84,7 @@ def naive_phase(earlier: str) -> dict:
     """In its own process: the naive peer, every earlier key in a Python set (no checksums)."""
     import pyarrow.parquet as pq
 
-    from batchgen.data.run import RunDir
+    from batchgen.data.run_dir import RunDir
 
     base = _peak_mib()
     t0 = time.perf_counter()

@@ -4,7 +4,7 @@ A `Store` is a root (a local directory or an object-store prefix) resolved by fs
 credentials and the endpoint the standard ways (for S3, botocore's chain: AWS_ACCESS_KEY_ID /
 AWS_SECRET_ACCESS_KEY / AWS_PROFILE, AWS_ENDPOINT_URL). Paths inside it are relative, with "/".
 
-What the commit protocol (batchgen.data.run) needs from storage, and how each kind provides it:
+What the commit protocol (batchgen.data.run_dir) needs from storage, and how each kind provides it:
 - `write`: a whole object at once. Local: a temporary name, fsync, rename, fsync of the directory
   (or in place, for names nobody else writes). Object store: one PUT, which is atomic (readers see
   the old object or the new, never a part) but is not a rename: so nothing relies on renames.

@@ -15,7 +15,7 @@ reused.
 A new run given `--reuse-from` (run directories, a directory of runs, globs, s3:// prefixes) looks
 each of its keys up among the committed rows of those runs, and copies a match instead of
 generating it (with `reused_from_run`, and no timings of its own: reports count such rows apart).
-Trust comes only from the commit protocol (batchgen.data.run): a file is read only if a manifest
+Trust comes only from the commit protocol (batchgen.data.run_dir): a file is read only if a manifest
 names it, and only after its bytes match the manifest's size and sha256, both when the index is
 built and when a row is copied. The index is a DuckDB table in a temporary file on local disk (a
 key's first 64 bits and the row's place; DuckDB spills past INDEX_MEMORY_LIMIT): the keys of any
@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 
 from batchgen.config import SamplingParams
 from batchgen.data.fs import filesystem, is_uri
-from batchgen.data.run import RunDir
+from batchgen.data.run_dir import RunDir
 from batchgen.engine.plan import EnginePlan
 
 KEY_VERSION = 1

@@ -1,4 +1,4 @@
-"""Durable local writes and checksums: the primitives of the commit protocol (batchgen.data.run)."""
+"""Durable local writes and checksums: the primitives of the commit protocol (batchgen.data.run_dir)."""
 
 from __future__ import annotations
 
