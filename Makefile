@@ -39,9 +39,8 @@ ui: model
 # fixtures, e.g. one vLLM start, stay shared). Much of a test is one core's work (imports, process and
 # server starts, Python between small ops), so two workers fill two cores. OMP_WAIT_POLICY=passive:
 # the processes' OpenMP threads share the cores, and a waiting one that spins (OpenMP's default) holds
-# a core another needs (two tests side by side: 88 s spinning, 44 s passive). For the tests only: a
-# job has its cores to itself. On a 2-core Xeon the suite took 32.3 min in one process, 22.8 with two
-# workers spinning, 10.5 with two passive (2026-12-06).
+# a core another needs (two tests side by side took twice as long spinning). For the tests only: a job
+# has its cores to itself.
 TEST_WORKERS ?= 2
 PYTEST := OMP_WAIT_POLICY=passive $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 

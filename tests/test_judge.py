@@ -11,7 +11,8 @@ from batchgen.benchmarks.bench_results import Measurement, read_results, verdict
 
 XEON = {"date": "2026-12-06 20:04:09", "cpu": "Intel(R) Xeon(R) Processor", "repeats": 3, "cores": 2,
         "torch_threads": 2, "cpu_features": "Intel family 6 model 167: avx2 fma f16c avx512f amx_bf16",
-        "peak_flops": {"float32": 2.8e11, "bfloat16": 1.474e12}, "prompts": "chat prompts of 300 tokens"}
+        "peak_flops": {"float32": 2.8e11, "bfloat16": 1.474e12}, "prompts": "chat prompts of 300 tokens",
+        "prompt_length": 300}
 ZEN3 = {**XEON, "date": "2026-12-06 02:53:00", "cpu": "AMD EPYC 7B13 64-Core Processor", "repeats": 5,
         "cpu_features": "AMD family 25 model 1: avx2 fma f16c", "peak_read_beside_repeats": [38.8e9]}
 

@@ -569,7 +569,8 @@ def run_bench(model_dir, engines: list[str], batches: list[int], modes: list[str
                   "cached_probe_read_bytes_per_s": probe.get("peak_read_bytes_per_s"),
                   "cached_probe": f"{probe.get('probe_source')}, measured {probe.get('probe_measured_at')}",
                   "peers_failed": failed,
-                  "prompts": prompts_text(held, prompt_tokens)}
+                  "prompts": prompts_text(held, prompt_tokens),
+                  "prompt_length": prompt_tokens}  # set by --prompt-tokens (the prefill target's), else None
     if "llama.cpp" in engines and "llama.cpp" not in failed:
         from batchgen.benchmarks import peers as outside
 

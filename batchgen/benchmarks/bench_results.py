@@ -332,7 +332,7 @@ def verdicts(results: list[Measurement], conditions: dict | None = None) -> list
         # one denominator of PROTOCOL: a run without it is not judged on MFU)
         m = next((x for x in (get("native:default", b, "greedy"), get("native:auto", b, "greedy"))
                   if x and x.prefill_mfu is not None and x.peak_flops), None)
-        if m and str(c.get("prompts", "")).startswith("chat prompts of"):  # the target's prompts of a set length
+        if m and c.get("prompt_length"):  # the target's prompts of a set length
             prompts = c.get("prompts", "held")
             out.append(Verdict(
                 f"batch {b} prefill, {m.dtype}, {prompts}",
