@@ -59,8 +59,10 @@ def series(out_dir: Path, bf16_math: bool, model: str = DEFAULT_MODEL, repeats: 
                  "--batches", batches],
         "bf16": [*bench, "--engines", "native,vllm-generate:bf16", "--native-variants", "default",
                  "--batches", batches],
-        "batch1": [*bench, "--engines", "native,llama.cpp", "--native-variants", "default", "--batches", "1",
-                   "--repeats", str(max(repeats, 5))],  # the batch-1 target asks for at least 5 runs
+        # the batch-1 target asks for at least 5 runs; beside generate's defaults (weights chosen by the
+        # machine, the same at every batch), `--quantization gguf`: the model's Q4_1 blocks, as llama.cpp's
+        "batch1": [*bench, "--engines", "native,llama.cpp", "--native-variants", "default,gguf", "--batches", "1",
+                   "--repeats", str(max(repeats, 5))],
         "prefill": [*bench, "--engines", "native", "--native-variants", "default", "--batches", "64",
                     "--prompt-tokens", "300"],
         "wrapper": [sys.executable, "-m", "batchgen.benchmarks.vllm_wrapper", "--model", model, "--dtype", dtype,
