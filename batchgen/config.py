@@ -355,8 +355,12 @@ class EngineConfig:
     speculative_ngram: int = setting(0, ge=0, le=16, title="Speculative tokens (n-gram)",
                                      help="draft tokens per step copied from the row's own context (prompt lookup), "
                                           "verified in one pass; 0: off")
-    prompt_lookup_min: int = setting(2, ge=1, title="Shortest n-gram matched")
-    prompt_lookup_max: int = setting(4, ge=1, title="Longest n-gram matched, tried first")
+    prompt_lookup_min: int = setting(2, ge=1, title="Shortest n-gram matched",
+                                     help="with speculative n-gram drafts: the fewest of a row's last tokens that "
+                                          "must match earlier in its context for a draft to be copied from there")
+    prompt_lookup_max: int = setting(4, ge=1, title="Longest n-gram matched, tried first",
+                                     help="with speculative n-gram drafts: the most of a row's last tokens "
+                                          "matched; longer matches are tried first")
     compile: str = setting(
         "auto", choices=ON_OFF, title="Compile the step (native engine)",
         help="torch.compile (Inductor): on CPU the whole decode step, once for 1 row and once for 2 rows or "
