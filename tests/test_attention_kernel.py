@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from batchgen import kernels
-from batchgen.engine.attention import CpuPagedAttention, _tile_attention, select_backend
+from batchgen.engine.attention import CpuPagedAttention, _tile_attention, make_backend, resolve_backend
 from batchgen.engine.attention_metadata import DECODE_KEYS, PREFILL_KEYS, PREFILL_TILE
 from batchgen.engine.model_runner import _TileBuilder
 from conftest import skip_or_fail
@@ -338,10 +338,10 @@ def test_kernel_refuses_bad_input(op):
             op(*[value if j == i else a for j, a in enumerate(args)])
 
 
-def test_select_backend_takes_the_kernel_on_cpu(op):
-    assert isinstance(select_backend("cpu"), CpuPagedAttention)
-    assert select_backend("cpu", "torch").name == "torch-paged"
-    assert select_backend("cpu", "cpu").name == "cpu-paged"
+def test_auto_resolves_to_the_kernel_on_cpu(op):
+    assert resolve_backend("cpu")[0] == "cpu" and isinstance(make_backend("cpu", "cpu"), CpuPagedAttention)
+    assert resolve_backend("cpu", "torch")[0] == "torch" and make_backend("torch", "cpu").name == "torch-paged"
+    assert resolve_backend("cpu", "cpu")[0] == "cpu"
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])  # gemma2: a sliding window and soft caps too
@@ -362,9 +362,9 @@ def test_engine_gives_the_same_tokens_with_either_backend(op, tmp_path, real_mod
 def test_without_a_compiler_auto_takes_the_pytorch_path(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHGEN_KERNEL_DIR", str(tmp_path / "kernels"))
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    assert select_backend("cpu").name == "torch-paged"
+    assert resolve_backend("cpu")[0] == "torch"
     with pytest.raises(RuntimeError, match="attention kernel is unavailable here"):
-        select_backend("cpu", "cpu")
+        resolve_backend("cpu", "cpu")
 
 
 def test_a_failed_build_is_recorded_and_not_retried(tmp_path):

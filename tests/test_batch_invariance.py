@@ -201,26 +201,31 @@ def test_a_resume_keeps_the_plan_the_run_started_with(tmp_path, real_model_dir):
     """A resume reads the first attempt's plan back from run.json as an EnginePlan (never from its
     prose) and keeps its weights under `--dtype auto`, so a machine whose measurements moved between
     attempts changes no token; weights asked for, and a run that was not batch-invariant, are not pinned."""
+    from dataclasses import replace
+
     from batchgen.data.run_dir import RunDir
     from batchgen.engine.resolve import plan_engine
     from batchgen.worker import plan_as_started
 
     fresh = plan_engine("native", real_model_dir, EngineConfig())
-    blocks = EnginePlan("native", "cpu", "float32", "gguf", "qgemv", "cpu", True, {"dtype": "a measurement"})
+    # the run started with the other weights than this machine takes today
+    other = (EnginePlan("native", "cpu", "float32", "gguf", "qgemv", "cpu", True, {"dtype": "a measurement"})
+             if fresh.weights == "dense" else
+             EnginePlan("native", "cpu", "float32", "dense", "gemv", "cpu", True, {"dtype": "a measurement"}))
 
     def started(plan: EnginePlan, at: str) -> EnginePlan | None:
         run = RunDir(tmp_path / at)
         run.record_attempt({"engine": {"plan": plan.fields(), "dtype": plan.dtype}})
         return plan_as_started(run)
 
-    assert started(blocks, "blocks") == blocks and started(blocks, "again").why == blocks.why
+    assert started(other, "other") == other and started(other, "again").why == other.why
     assert plan_as_started(RunDir(tmp_path / "fresh")) is None
-    assert fresh.weights == "dense"  # what this machine takes today; the run started with the blocks:
-    pinned = plan_engine("native", real_model_dir, EngineConfig(max_num_seqs=64), started=blocks)
-    assert (pinned.weights, pinned.matmul, pinned.batch_invariant) == ("gguf", "qgemv", True)
+    pinned = plan_engine("native", real_model_dir, EngineConfig(max_num_seqs=64), started=other)
+    assert (pinned.weights, pinned.matmul, pinned.batch_invariant) == (other.weights, other.matmul, True)
     assert pinned.why["dtype"].startswith("as the run's first attempt took")
-    assert plan_engine("native", real_model_dir, EngineConfig(dtype="float32"), started=blocks).weights == "dense"
-    loose = EnginePlan("native", "cpu", "float32", "gguf", "qgemv", "cpu", False)
+    ask, want = (({"dtype": "float32"}, "dense") if other.weights == "gguf" else ({"quantization": "gguf"}, "gguf"))
+    assert plan_engine("native", real_model_dir, EngineConfig(**ask), started=other).weights == want  # asked: not pinned
+    loose = replace(other, batch_invariant=False)
     assert plan_engine("native", real_model_dir, EngineConfig(), started=loose) == fresh
 
 

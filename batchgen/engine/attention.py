@@ -129,8 +129,3 @@ def make_backend(name: str, device: str):
 
         return FlashInferBackend(device)
     return TorchPagedAttention()
-
-
-def select_backend(device: str, name: str = "auto"):
-    """The backend `--attention-backend name` comes to on `device` (resolve_backend, then made)."""
-    return make_backend(resolve_backend(device, name)[0], device)
